@@ -1,0 +1,128 @@
+"""Run configuration: frozen pydantic models, loadable from TOML, overridable by CLI flags.
+
+Plugin names are checked against the registry and plugin parameters by the plugin's own
+``Params`` model at validation time, so a bad config fails before any model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tomllib
+from jetflow.core.errors import ConfigError, PluginNotFoundError
+from jetflow.core.precision import DtypeName
+from jetflow.core.registry import default_registry
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+NO_DRAFTER = "none"
+DEFAULT_DRAFTER = "ngram"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TreeConfig(_Frozen):
+    """How large a tree the policy may build each step."""
+
+    policy: str | None = Field(None, description="tree policy; the drafter's default if unset")
+    budget: int = Field(16, ge=1, description="drafted nodes per step (root excluded)")
+    width: int = Field(4, ge=1, description="children proposed per expanded node")
+    max_depth: int = Field(16, ge=1, description="deepest tree level")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateConfig(_Frozen):
+    """Everything that decides one generation run."""
+
+    target: str = Field(
+        "default", description="'default', a local folder, a .gguf file or a cached hub id"
+    )
+    dtype: DtypeName = "auto"
+    drafter: str = Field(DEFAULT_DRAFTER, description=f"drafter plugin name, or '{NO_DRAFTER}'")
+    drafter_params: dict[str, Any] = Field(default_factory=dict)
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    verifier: str = "greedy"
+    verifier_params: dict[str, Any] = Field(default_factory=dict)
+    max_new_tokens: int = Field(128, ge=1)
+    stop: tuple[str, ...] = Field((), description="stop strings; generation ends right after one")
+    stop_at_eos: bool = True
+    chat_template: bool = True
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_plugins(self) -> GenerateConfig:
+        registry = default_registry()
+        if self.tree.policy is not None:
+            policy_cls = registry.get("tree_policy", self.tree.policy)
+            _validate_params(policy_cls, self.tree.params, "tree.params")
+        if self.drafter != NO_DRAFTER:
+            try:
+                drafter_cls = registry.get("drafter", self.drafter)
+            except PluginNotFoundError as error:
+                raise PluginNotFoundError(
+                    "drafter", self.drafter, [*error.known, NO_DRAFTER]
+                ) from None
+            _validate_params(drafter_cls, self.drafter_params, "drafter_params")
+            if self.tree.policy is None:
+                policy_cls = registry.get("tree_policy", drafter_cls.default_tree_policy)
+                _validate_params(policy_cls, self.tree.params, "tree.params")
+        _validate_params(
+            registry.get("verifier", self.verifier), self.verifier_params, "verifier_params"
+        )
+        return self
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.drafter != NO_DRAFTER
+
+
+def _validate_params(plugin_cls: type, params: dict[str, Any], field: str) -> BaseModel:
+    try:
+        return plugin_cls.Params.model_validate(params)
+    except ValidationError as error:
+        raise ValueError(f"{field} for {plugin_cls.name!r}: {_first_problem(error)}") from None
+
+
+def _first_problem(error: ValidationError) -> str:
+    problem = error.errors()[0]
+    where = ".".join(str(part) for part in problem["loc"])
+    return f"{where}: {problem['msg']}" if where else problem["msg"]
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def build_config(model: type[ConfigT], data: dict[str, Any]) -> ConfigT:
+    """Validate ``data`` into ``model``; any problem becomes a one-line :class:`ConfigError`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        # Errors from plugin lookups arrive wrapped; surface them unchanged.
+        cause = error.errors()[0].get("ctx", {}).get("error")
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"invalid config: {_first_problem(error)}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file into a plain dict, with a clear error if it is unreadable."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``overrides`` (CLI flags that were given) into ``base`` (the TOML file)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

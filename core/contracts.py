@@ -1,0 +1,146 @@
+"""The three plugin contracts: Drafter, TreePolicy, Verifier.
+
+A drafter is an oracle of next-token distributions at tree nodes; a tree policy is a
+search under a budget that asks that oracle; a verifier is the acceptance rule. Any
+policy works with any drafter. Each plugin class carries its public ``name`` (the string
+users type), a one-line ``description`` and a pydantic ``Params`` model that validates
+its own parameters from the run config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+import torch
+from jetflow.core.tree import DraftTree
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from jetflow.core.target import Target
+
+
+class NoParams(BaseModel):
+    """Parameters of a plugin that takes none; unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Plugin:
+    """What every plugin class declares."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Params: ClassVar[type[BaseModel]] = NoParams
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter sees at the start of a decoding step.
+
+    Attributes:
+        tokens: ``[seq]`` every committed token; ``tokens[-1]`` is the root of the next tree
+            and has not been processed by the target yet.
+        features: ``[new, n_layers, hidden]`` target hidden states at the drafter's
+            ``feature_layers`` for the tokens processed since the previous step (the whole
+            prompt but its last token on the first step), or ``None`` if none were asked for.
+        n_processed: how many of ``tokens`` the target has processed (its KV-cache length).
+    """
+
+    tokens: Tensor
+    features: Tensor | None
+    n_processed: int
+
+
+class DraftSession(Protocol):
+    """Answers next-token proposals for nodes of one step's tree."""
+
+    #: deepest depth this session can propose at, ``None`` if unbounded
+    max_depth: int | None
+
+    def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Propose up to ``k`` distinct children for each of ``nodes`` (``[f]`` indices into tree).
+
+        Returns ``(tokens [f, k], logprobs [f, k])``, best first; a log-probability of
+        ``-inf`` marks an absent proposal (its token is meaningless).
+        """
+        ...
+
+
+CostShape = Literal["parallel", "per-depth", "free"]
+
+
+class Drafter(Plugin, ABC):
+    """Proposes draft tokens; built once per engine, ``begin`` once per decoding step."""
+
+    #: tree policy used when the config names none
+    default_tree_policy: ClassVar[str] = "best-first"
+    #: "parallel": one head forward per step; "per-depth": one per tree level; "free": no model
+    cost_shape: ClassVar[CostShape] = "free"
+
+    def __init__(self, params: BaseModel, target: Target) -> None:
+        self.params = params
+        self.target = target
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers (1-based decoder-layer outputs) whose hidden states this drafter reads."""
+        return ()
+
+    def reset(self) -> None:
+        """Forget per-sequence state; called before each new prompt."""
+
+    @abstractmethod
+    def begin(self, context: DraftContext) -> DraftSession:
+        """Start a decoding step: run any per-step model work and return a session."""
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The size limits a policy builds within."""
+
+    budget: int  # drafted nodes, root excluded
+    width: int  # children proposed per expanded node
+    max_depth: int  # deepest level
+
+
+class TreePolicy(Plugin, ABC):
+    """Builds a draft tree by asking a session for children under a budget."""
+
+    def __init__(self, params: BaseModel) -> None:
+        self.params = params
+
+    @abstractmethod
+    def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
+        """Grow ``root`` (a one-node tree) into a tree of at most ``shape.budget`` drafted nodes."""
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The verifier's decision for one step.
+
+    Attributes:
+        path: ``[k + 1]`` node indices from the root to the deepest accepted node.
+        next_token: the target's own token after the accepted path (the bonus token).
+    """
+
+    path: Tensor
+    next_token: int
+
+    @property
+    def accepted(self) -> int:
+        """Number of drafted tokens accepted (root excluded)."""
+        return int(self.path.shape[0]) - 1
+
+
+class Verifier(Plugin, ABC):
+    """The acceptance rule: which drafted path to keep, and the next token."""
+
+    def __init__(self, params: BaseModel) -> None:
+        self.params = params
+
+    @abstractmethod
+    def accept(self, tree: DraftTree, logits: Tensor, generator: torch.Generator) -> Acceptance:
+        """Decide from the target's ``logits`` (``[n, vocab]``, one row per tree node)."""

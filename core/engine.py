@@ -1,0 +1,138 @@
+"""The engine loop: draft a tree, verify it in one target forward, accept, commit, repeat.
+
+With no drafter the same loop verifies a one-node tree each step: that is the
+autoregressive baseline every speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from jetflow.core.config import GenerateConfig
+from jetflow.core.contracts import DraftContext, Drafter, TreePolicy, TreeShape, Verifier
+from jetflow.core.errors import ConfigError, TargetError
+from jetflow.core.precision import resolve_dtype
+from jetflow.core.registry import Registry, default_registry
+from jetflow.core.result import FinishReason, GenerationResult, StepRecord
+from jetflow.core.target import Target
+from jetflow.core.tree import DraftTree
+
+Prompt = str | list[dict[str, str]] | Sequence[int]
+
+
+class Engine:
+    """One target, one drafter, one tree policy and one verifier, ready to generate."""
+
+    def __init__(
+        self,
+        config: GenerateConfig,
+        target: Target | None = None,
+        registry: Registry | None = None,
+    ) -> None:
+        registry = registry or default_registry()
+        self.config = config
+        self.target = target or Target.load(config.target, resolve_dtype(config.dtype))
+        self.drafter: Drafter | None = None
+        policy_name = config.tree.policy or "chain"
+        if config.uses_drafter:
+            drafter_cls = registry.get("drafter", config.drafter)
+            self.drafter = drafter_cls(
+                drafter_cls.Params.model_validate(config.drafter_params), self.target
+            )
+            policy_name = config.tree.policy or drafter_cls.default_tree_policy
+        policy_cls = registry.get("tree_policy", policy_name)
+        self.policy: TreePolicy = policy_cls(policy_cls.Params.model_validate(config.tree.params))
+        verifier_cls = registry.get("verifier", config.verifier)
+        self.verifier: Verifier = verifier_cls(
+            verifier_cls.Params.model_validate(config.verifier_params)
+        )
+        self.shape = TreeShape(config.tree.budget, config.tree.width, config.tree.max_depth)
+
+    @property
+    def budget(self) -> int | None:
+        return self.shape.budget if self.drafter else None
+
+    @property
+    def method(self) -> str:
+        """``drafter:policy`` as benchmarks name it, or ``ar`` for the baseline."""
+        return f"{self.config.drafter}:{self.policy.name}" if self.drafter else "ar"
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str | list) and not prompt:
+            raise ConfigError("the prompt is empty")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], dict)):
+            return self.target.encode_prompt(prompt, chat=self.config.chat_template)
+        return [int(token) for token in prompt]
+
+    def generate(self, prompt: Prompt, max_new_tokens: int | None = None) -> GenerationResult:
+        """Decode ``prompt`` (text, chat messages or token ids) until a stop condition."""
+        limit = max_new_tokens or self.config.max_new_tokens
+        ids = self.prompt_ids(prompt)
+        context_needed = len(ids) + limit + self.shape.budget + 1
+        if context_needed > self.target.context_length:
+            raise TargetError(
+                f"the prompt has {len(ids)} tokens; with max_new_tokens={limit} and a tree of "
+                f"{self.shape.budget} it needs {context_needed} positions, but the target's "
+                f"context window is {self.target.context_length}"
+            )
+        generator = torch.Generator().manual_seed(self.config.seed)
+        layers = self.drafter.feature_layers if self.drafter else ()
+        if self.drafter:
+            self.drafter.reset()
+
+        start = time.perf_counter()
+        tokens = torch.tensor(ids, dtype=torch.long)
+        cache, features = self.target.prefill(tokens[:-1], layers)
+        new: list[int] = []
+        steps: list[StepRecord] = []
+        finish: FinishReason | None = None
+        while finish is None:
+            t0 = time.perf_counter()
+            tree = DraftTree.root(int(tokens[-1]))
+            if self.drafter:
+                context = DraftContext(tokens, features, cache.get_seq_length())
+                tree = self.policy.build(self.drafter.begin(context), tree, self.shape)
+            t1 = time.perf_counter()
+            n_cached = cache.get_seq_length()
+            out = self.target.verify(cache, tree, layers)
+            decision = self.verifier.accept(tree, out.logits, generator)
+            self.target.commit(cache, n_cached, decision.path)
+            t2 = time.perf_counter()
+
+            emitted = [*tree.tokens[decision.path[1:]].tolist(), decision.next_token]
+            steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1))
+            emitted, finish = self._truncate(new, emitted, limit)
+            new.extend(emitted)
+            tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long)])
+            features = None if out.features is None else out.features[decision.path]
+        wall = time.perf_counter() - start
+        return GenerationResult(
+            prompt_ids=ids,
+            token_ids=new,
+            text=self.target.decode(new),
+            finish_reason=finish,
+            wall_s=wall,
+            budget=self.budget,
+            steps=steps,
+        )
+
+    def _truncate(
+        self, done: list[int], emitted: list[int], limit: int
+    ) -> tuple[list[int], FinishReason | None]:
+        """Cut ``emitted`` exactly at the first stop condition it meets."""
+        if self.config.stop_at_eos:
+            for index, token in enumerate(emitted):
+                if token in self.target.eos_token_ids and len(done) + index < limit:
+                    return emitted[: index + 1], "eos"
+        if self.config.stop:
+            for index in range(len(emitted)):
+                if len(done) + index >= limit:
+                    break
+                text = self.target.decode(done + emitted[: index + 1])
+                if any(stop in text for stop in self.config.stop):
+                    return emitted[: index + 1], "stop"
+        if len(done) + len(emitted) >= limit:
+            return emitted[: limit - len(done)], "length"
+        return emitted, None

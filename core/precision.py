@@ -1,0 +1,47 @@
+"""Choice of compute device and dtype from what the hardware offers.
+
+bf16 pays off only with native bf16 matrix units (AMX or AVX-512 BF16 on a CPU, any
+recent GPU); elsewhere it is emulated and slower than fp32, so ``auto`` falls back to fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """True when bf16 matrix multiplication runs on dedicated hardware."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    cpu = torch.backends.cpu
+    capability = cpu.get_cpu_capability() if hasattr(cpu, "get_cpu_capability") else ""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return "AMX" in capability or any(
+        getattr(torch.cpu, probe, lambda: False)() for probe in probes
+    )
+
+
+def resolve_dtype(name: DtypeName | str, device: torch.device | None = None) -> torch.dtype:
+    """The torch dtype for a config value; ``auto`` picks bf16 only where it is native."""
+    if name == "auto":
+        device = device or default_device()
+        return torch.bfloat16 if has_native_bf16(device) else torch.float32
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,75 @@
+"""What a generation run returns: tokens, text and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "eos", "stop"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One draft-verify step.
+
+    Attributes:
+        accepted: drafted tokens accepted (the step emits ``accepted + 1`` tokens).
+        tree_size: nodes verified, root included.
+        draft_s: seconds spent drafting (drafter forward and tree building).
+        verify_s: seconds spent in the target forward, acceptance and cache commit.
+    """
+
+    accepted: int
+    tree_size: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class GenerationResult:
+    """The output of one prompt and how it was produced."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    wall_s: float
+    budget: int | None
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target verify step (1.0 for autoregressive decoding)."""
+        return self.new_tokens / max(len(self.steps), 1)
+
+    @property
+    def draft_s(self) -> float:
+        return sum(step.draft_s for step in self.steps)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(step.verify_s for step in self.steps)
+
+    def stats(self) -> dict[str, float | int | None]:
+        """The summary printed by ``jetflow generate --json``."""
+        return {
+            "new_tokens": self.new_tokens,
+            "steps": len(self.steps),
+            "tau": round(self.tau, 4),
+            "tokens_per_s": round(self.new_tokens / self.wall_s, 3) if self.wall_s else 0.0,
+            "wall_s": round(self.wall_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "budget": self.budget,
+        }
+
+    def accept_histogram(self) -> dict[int, int]:
+        """How many steps accepted each number of drafted tokens."""
+        counts: dict[int, int] = {}
+        for step in self.steps:
+            counts[step.accepted] = counts.get(step.accepted, 0) + 1
+        return dict(sorted(counts.items()))

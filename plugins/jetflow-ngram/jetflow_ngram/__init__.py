@@ -1,0 +1,1 @@
+"""A training-free jetflow drafter: prompt lookup that drafts trees, installed as a plugin."""

@@ -1,0 +1,29 @@
+"""``greedy``: accept drafted tokens that equal the target's argmax (lossless for greedy decoding)."""
+
+from __future__ import annotations
+
+import torch
+from jetflow.core.contracts import Acceptance, Verifier
+from jetflow.core.hookspecs import hookimpl
+from jetflow.core.tree import DraftTree
+from torch import Tensor
+
+
+class Greedy(Verifier):
+    name = "greedy"
+    description = "exact match with the target's argmax; output equals plain greedy decoding"
+
+    def accept(self, tree: DraftTree, logits: Tensor, generator: torch.Generator) -> Acceptance:
+        target_tokens = logits.argmax(dim=-1)  # [n]
+        matches = tree.tokens == target_tokens[tree.parents.clamp(min=0)]
+        matches[0] = True
+        # A node is accepted when it and all its ancestors match.
+        accepted = ~(tree.ancestor_mask & ~matches[None, :]).any(dim=1)
+        # Siblings carry distinct tokens, so at most one node per depth is accepted.
+        deepest = int(torch.where(accepted, tree.depths, -1).argmax())
+        return Acceptance(path=tree.path(deepest), next_token=int(target_tokens[deepest]))
+
+
+@hookimpl
+def jetflow_verifiers() -> list[type]:
+    return [Greedy]
