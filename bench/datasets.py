@@ -287,9 +287,7 @@ def load_mtbench(path: Path | str | None = None) -> list[Sample]:
     """The 80 MT-Bench questions, two user turns each."""
     path = Path(path) if path else shipped_path("mtbench")
     try:
-        return [
-            Sample(str(r["question_id"]), "mtbench", tuple(r["turns"])) for r in _load_jsonl(path)
-        ]
+        return [Sample(str(r["question_id"]), "mtbench", tuple(r["turns"])) for r in _load_jsonl(path)]
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: not an MT-Bench file ({type(exc).__name__}: {exc})") from exc
 
@@ -299,9 +297,7 @@ def load_sharegpt_with_report(path: Path | str | None = None) -> tuple[list[Samp
     path = Path(path) if path else shipped_path("sharegpt")
     ds, report = _cached_rows("sharegpt", path, _recover_sharegpt)
     reasons = dict(report.dropped_by_reason)
-    logger.info(
-        "%s: recovered %d, dropped %d %s", path.name, report.recovered, report.dropped, reasons
-    )
+    logger.info("%s: recovered %d, dropped %d %s", path.name, report.recovered, report.dropped, reasons)
     return _to_samples(ds, "sharegpt"), report
 
 

@@ -36,9 +36,7 @@ class TreeConfig(_Frozen):
 class GenerateConfig(_Frozen):
     """Everything that decides one generation run."""
 
-    target: str = Field(
-        "default", description="'default', a local folder, a .gguf file or a cached hub id"
-    )
+    target: str = Field("default", description="'default', a local folder, a .gguf file or a cached hub id")
     dtype: DtypeName = "auto"
     drafter: str = Field(DEFAULT_DRAFTER, description=f"drafter plugin name, or '{NO_DRAFTER}'")
     drafter_params: dict[str, Any] = Field(default_factory=dict)
@@ -61,16 +59,12 @@ class GenerateConfig(_Frozen):
             try:
                 drafter_cls = registry.get("drafter", self.drafter)
             except PluginNotFoundError as error:
-                raise PluginNotFoundError(
-                    "drafter", self.drafter, [*error.known, NO_DRAFTER]
-                ) from None
+                raise PluginNotFoundError("drafter", self.drafter, [*error.known, NO_DRAFTER]) from None
             _validate_params(drafter_cls, self.drafter_params, "drafter_params")
             if self.tree.policy is None:
                 policy_cls = registry.get("tree_policy", drafter_cls.default_tree_policy)
                 _validate_params(policy_cls, self.tree.params, "tree.params")
-        _validate_params(
-            registry.get("verifier", self.verifier), self.verifier_params, "verifier_params"
-        )
+        _validate_params(registry.get("verifier", self.verifier), self.verifier_params, "verifier_params")
         return self
 
     @property

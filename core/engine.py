@@ -38,16 +38,12 @@ class Engine:
         policy_name = config.tree.policy or "chain"
         if config.uses_drafter:
             drafter_cls = registry.get("drafter", config.drafter)
-            self.drafter = drafter_cls(
-                drafter_cls.Params.model_validate(config.drafter_params), self.target
-            )
+            self.drafter = drafter_cls(drafter_cls.Params.model_validate(config.drafter_params), self.target)
             policy_name = config.tree.policy or drafter_cls.default_tree_policy
         policy_cls = registry.get("tree_policy", policy_name)
         self.policy: TreePolicy = policy_cls(policy_cls.Params.model_validate(config.tree.params))
         verifier_cls = registry.get("verifier", config.verifier)
-        self.verifier: Verifier = verifier_cls(
-            verifier_cls.Params.model_validate(config.verifier_params)
-        )
+        self.verifier: Verifier = verifier_cls(verifier_cls.Params.model_validate(config.verifier_params))
         self.shape = TreeShape(config.tree.budget, config.tree.width, config.tree.max_depth)
 
     @property

@@ -30,9 +30,7 @@ def has_native_bf16(device: torch.device) -> bool:
     cpu = torch.backends.cpu
     capability = cpu.get_cpu_capability() if hasattr(cpu, "get_cpu_capability") else ""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return "AMX" in capability or any(
-        getattr(torch.cpu, probe, lambda: False)() for probe in probes
-    )
+    return "AMX" in capability or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def resolve_dtype(name: DtypeName | str, device: torch.device | None = None) -> torch.dtype:

@@ -69,9 +69,7 @@ class Registry:
         self._manager.unregister(module)
 
     def _distributions(self) -> dict[int, str]:
-        return {
-            id(plugin): dist.project_name for plugin, dist in self._manager.list_plugin_distinfo()
-        }
+        return {id(plugin): dist.project_name for plugin, dist in self._manager.list_plugin_distinfo()}
 
     def plugins(self, kind: PluginKind) -> list[PluginInfo]:
         """Every plugin of one kind, sorted by name; a name registered twice is an error."""
@@ -86,9 +84,7 @@ class Registry:
                         f"{distribution} registers {plugin_cls!r} as a {KIND_LABELS[kind]}, "
                         f"but it does not subclass {base.__name__}"
                     )
-                info = PluginInfo(
-                    kind, plugin_cls.name, plugin_cls.description, distribution, plugin_cls
-                )
+                info = PluginInfo(kind, plugin_cls.name, plugin_cls.description, distribution, plugin_cls)
                 if info.name in found and found[info.name].cls is not plugin_cls:
                     raise JetflowError(
                         f"two plugins register the {KIND_LABELS[kind]} {info.name!r}: "

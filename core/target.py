@@ -61,9 +61,7 @@ class Target:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(
-        cls, spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device=None
-    ) -> Target:
+    def load(cls, spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device=None) -> Target:
         """Load ``default`` (the embedded SmolLM2), a local folder, a ``.gguf`` file, or a hub id
         already in the local cache. Never downloads."""
         device = torch.device(device) if device else default_device()
@@ -76,9 +74,7 @@ class Target:
             if not path.is_file():
                 raise TargetError(f"target GGUF file not found: {spec}")
             name = path.stem
-            model = _from_pretrained(
-                AutoModelForCausalLM, path.parent, gguf_file=path.name, dtype=dtype
-            )
+            model = _from_pretrained(AutoModelForCausalLM, path.parent, gguf_file=path.name, dtype=dtype)
             tokenizer = _from_pretrained(AutoTokenizer, path.parent, gguf_file=path.name)
         else:
             name = spec
@@ -163,9 +159,7 @@ class Target:
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
-    def prefill(
-        self, ids: Tensor, layers: tuple[int, ...] = ()
-    ) -> tuple[DynamicCache, Tensor | None]:
+    def prefill(self, ids: Tensor, layers: tuple[int, ...] = ()) -> tuple[DynamicCache, Tensor | None]:
         """Process ``ids`` (``[seq]``) into a fresh KV cache; features ``[seq, k, hidden]``."""
         cache = self.new_cache()
         if ids.numel() == 0:
@@ -180,20 +174,14 @@ class Target:
         return cache, self._features(out, layers)
 
     @torch.inference_mode()
-    def verify(
-        self, cache: DynamicCache, tree: DraftTree, layers: tuple[int, ...] = ()
-    ) -> VerifyOutput:
+    def verify(self, cache: DynamicCache, tree: DraftTree, layers: tuple[int, ...] = ()) -> VerifyOutput:
         """Run every node of ``tree`` in one forward after the cached prefix.
 
         Appends the tree's entries to ``cache``; :meth:`commit` then keeps the accepted ones.
         """
         n_cached = cache.get_seq_length()
-        visible = torch.cat(
-            [torch.ones(tree.size, n_cached, dtype=torch.bool), tree.ancestor_mask], dim=1
-        )
-        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill(
-            ~visible, torch.finfo(self.dtype).min
-        )
+        visible = torch.cat([torch.ones(tree.size, n_cached, dtype=torch.bool), tree.ancestor_mask], dim=1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill(~visible, torch.finfo(self.dtype).min)
         out = self.model(
             input_ids=tree.tokens[None].to(self.device),
             attention_mask=mask[None, None].to(self.device),
@@ -251,9 +239,7 @@ def _embedded_default_folder() -> Path:
         )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     log.info("de-quantising %s once into %s (about 25 s)", _DEFAULT_GGUF, folder)
-    model = _from_pretrained(
-        AutoModelForCausalLM, package_dir, gguf_file=_DEFAULT_GGUF, dtype=torch.float32
-    )
+    model = _from_pretrained(AutoModelForCausalLM, package_dir, gguf_file=_DEFAULT_GGUF, dtype=torch.float32)
     tokenizer = _from_pretrained(AutoTokenizer, package_dir, gguf_file=_DEFAULT_GGUF)
     _save_plain(model, tokenizer, folder)
     return folder

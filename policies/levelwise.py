@@ -15,15 +15,11 @@ from jetflow.core.contracts import DraftSession, TreeShape
 from jetflow.core.tree import DraftTree
 
 
-def grow_levelwise(
-    session: DraftSession, root: DraftTree, shape: TreeShape, frontier: int
-) -> DraftTree:
+def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, frontier: int) -> DraftTree:
     """Grow ``root`` level by level and keep the ``shape.budget`` best drafted nodes."""
     tree = root
     expand = torch.zeros(1, dtype=torch.long)
-    max_depth = (
-        shape.max_depth if session.max_depth is None else min(shape.max_depth, session.max_depth)
-    )
+    max_depth = shape.max_depth if session.max_depth is None else min(shape.max_depth, session.max_depth)
     for _ in range(max_depth):
         tokens, logprobs = session.children(tree, expand, shape.width)  # [f, k] each
         scores = (tree.scores[expand, None] + logprobs).flatten()
@@ -31,10 +27,10 @@ def grow_levelwise(
         if n_valid == 0:
             break
         best_scores, best = scores.topk(min(frontier, shape.budget, n_valid))
-        if tree.draft_size >= shape.budget:
-            # Nothing deeper can beat the current budget-th best node: stop early.
-            if best_scores[0] < tree.scores[1:].topk(shape.budget).values[-1]:
-                break
+        # Once the budget is full, a level whose best node loses to the budget-th best
+        # node cannot contribute, and nothing deeper can either: stop early.
+        if tree.draft_size >= shape.budget and best_scores[0] < tree.scores[1:].topk(shape.budget).values[-1]:
+            break
         start = tree.size
         tree = tree.extend(
             parents=expand[best // shape.width],

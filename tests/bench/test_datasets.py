@@ -200,9 +200,7 @@ def test_malformed_prompt_line_names_file_and_line(tmp_path: Path, bad_line: str
 
 
 @pytest.mark.parametrize("content", [b"", b"\n\n", None])
-def test_empty_or_missing_prompt_file_is_a_data_error(
-    tmp_path: Path, content: bytes | None
-) -> None:
+def test_empty_or_missing_prompt_file_is_a_data_error(tmp_path: Path, content: bytes | None) -> None:
     path = tmp_path / "nothing.jsonl"
     if content is not None:
         path.write_bytes(content)
