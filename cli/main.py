@@ -15,8 +15,9 @@ import os
 import pkgutil
 import sys
 
-from jetflow import __version__
 from jetflow.core.errors import JetflowError
+
+from jetflow import __version__
 
 EXIT_USER_ERROR = 2
 

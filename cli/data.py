@@ -1,0 +1,141 @@
+"""``jetflow data``: regenerate the training corpus with the target, cache its features, show stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jetflow.core.errors import ConfigError
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer ids, got {text!r}") from error
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "data", help="regenerate the training corpus, cache target features, stats"
+    )
+    actions = parser.add_subparsers(dest="data_action", required=True, metavar="ACTION")
+    dtypes = ["auto", "float32", "bfloat16", "float16"]
+
+    regen = actions.add_parser(
+        "regenerate", help="let the target answer training prompts greedily (resumable)"
+    )
+    regen.add_argument(
+        "--target", default="default", help="'default', a folder, a .gguf file or a cached hub id"
+    )
+    regen.add_argument("--source", default="sharegpt", help="sharegpt, or file:PATH.jsonl of prompts")
+    regen.add_argument("--n", type=int, required=True, help="conversations in the finished corpus")
+    regen.add_argument("--max-new-tokens", type=int, default=256)
+    regen.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
+    regen.add_argument("--batch-size", type=int, default=16)
+    regen.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard")
+    regen.add_argument("--dtype", choices=dtypes, default="auto")
+    regen.add_argument("--out", type=Path, help="corpus folder (default: the packaged corpora/<target name>)")
+    regen.add_argument(
+        "--layers", type=_layer_list, help="feature layers, e.g. 1,8,14,20,27 (default: 5 spread)"
+    )
+    regen.add_argument("--no-features", action="store_true", help="skip the feature capture")
+
+    feats = actions.add_parser("features", help="(re)build the feature cache of a corpus by teacher forcing")
+    feats.add_argument("--corpus", type=Path, help="corpus folder (default: the default target's corpus)")
+    feats.add_argument("--target", default="default")
+    feats.add_argument("--dtype", choices=dtypes, default="auto")
+    feats.add_argument("--layers", type=_layer_list, help="feature layers (default: 5 spread)")
+    feats.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward")
+
+    stats = actions.add_parser("stats", help="summary of a corpus")
+    stats.add_argument("--corpus", type=Path, help="corpus folder (default: the default target's corpus)")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
+
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"regenerate": _regenerate, "features": _features, "stats": _stats}[args.data_action](args)
+
+
+def _load_target(spec: str, dtype: str):
+    from jetflow.core.precision import resolve_dtype
+    from jetflow.core.target import Target
+
+    return Target.load(spec, dtype=resolve_dtype(dtype))
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    from jetflow.bench import datasets
+    from jetflow.drafters.training.corpus import corpus_dir_for
+    from jetflow.drafters.training.features import default_feature_layers
+    from jetflow.drafters.training.regenerate import regenerate, select_prompts
+
+    if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1 or args.shard_size < 1:
+        raise ConfigError("--n, --max-new-tokens, --batch-size and --shard-size must be positive")
+    if args.source in datasets.BENCHMARK_NAMES:
+        raise ConfigError(f"--source {args.source!r} is a benchmark set; training data must never contain it")
+    if args.source == "sharegpt":
+        samples, report = datasets.load_sharegpt_with_report()
+        source_info = {"file": report.path.name, "recovered": report.recovered, "dropped": report.dropped}
+    else:
+        samples, source_info = datasets.load_dataset_samples(args.source), {}
+    target = _load_target(args.target, args.dtype)
+    selection = select_prompts(
+        samples,
+        target.encode_prompt,
+        args.n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        exclude=datasets.benchmark_prompt_texts(),
+    )
+    layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
+    out = args.out or corpus_dir_for(target.name)
+    corpus = regenerate(
+        target,
+        selection.prompts,
+        out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        layers=layers,
+        source=args.source,
+        selection={**source_info, **selection.describe()},
+        max_prompt_tokens=args.max_prompt_tokens,
+        show_progress=True,
+    )
+    counts, timing = corpus.manifest["counts"], corpus.manifest["regeneration"]
+    print(
+        f"{out}: {counts['n_conversations']} conversations, {counts['n_response_tokens']} response tokens, "
+        f"{timing['wall_time_s']:.0f} s of generation, {timing['response_tokens_per_s']:.1f} response tokens/s"
+    )
+    return 0
+
+
+def _features(args: argparse.Namespace) -> int:
+    from jetflow.drafters.training.corpus import Corpus, default_corpus_dir
+    from jetflow.drafters.training.features import build_features, default_feature_layers
+
+    corpus = Corpus(args.corpus or default_corpus_dir())
+    target = _load_target(args.target, args.dtype)
+    layers = args.layers or default_feature_layers(target.num_layers)
+    store = build_features(target, corpus, layers, token_budget=args.token_budget, show_progress=True)
+    print(f"{store.folder}: features of layers {list(store.layers)} for {len(store)} sequences")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from jetflow.drafters.training.corpus import Corpus, default_corpus_dir
+
+    corpus = Corpus(args.corpus or default_corpus_dir())
+    stats = corpus.stats()
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    timing = corpus.manifest.get("regeneration", {})
+    print(f"corpus   {corpus.path}")
+    for key, value in stats.items():
+        print(f"{key:<18} {value}")
+    print(f"{'response tok/s':<18} {timing.get('response_tokens_per_s', 0)}")
+    return 0

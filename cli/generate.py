@@ -1,0 +1,106 @@
+"""``jetflow generate``: decode one prompt with speculative decoding, optionally beside the baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_toml, merge
+from jetflow.core.engine import Engine
+from jetflow.core.errors import ConfigError
+from jetflow.core.precision import resolve_dtype
+from jetflow.core.result import GenerationResult
+from jetflow.core.target import Target
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate an answer with speculative decoding")
+    parser.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    parser.add_argument("--config", help="TOML file with GenerateConfig fields; flags override it")
+    parser.add_argument("--target", help="'default', a local folder, a .gguf file or a cached hub id")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--drafter", help=f"drafter plugin name, or '{NO_DRAFTER}' for plain decoding")
+    parser.add_argument("--tree-policy", help="tree policy plugin name (default: the drafter's)")
+    parser.add_argument("--budget", type=int, help="drafted tree nodes per step")
+    parser.add_argument("--width", type=int, help="children proposed per expanded node")
+    parser.add_argument("--max-depth", type=int, help="deepest tree level")
+    parser.add_argument("--verifier", help="verifier plugin name")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--compare", action="store_true", help="also run the autoregressive baseline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> GenerateConfig:
+    """The TOML file (if any) with every given flag laid over it."""
+    base = load_toml(args.config) if args.config else {}
+    tree = {
+        key: value
+        for key, value in {
+            "policy": args.tree_policy,
+            "budget": args.budget,
+            "width": args.width,
+            "max_depth": args.max_depth,
+        }.items()
+        if value is not None
+    }
+    flags: dict[str, Any] = {
+        "target": args.target,
+        "dtype": args.dtype,
+        "drafter": args.drafter,
+        "verifier": args.verifier,
+        "max_new_tokens": args.max_new_tokens,
+        "stop": tuple(args.stop) if args.stop else None,
+        "seed": args.seed,
+        "chat_template": False if args.raw else None,
+    }
+    overrides = {key: value for key, value in flags.items() if value is not None}
+    if tree:
+        overrides["tree"] = tree
+    return build_config(GenerateConfig, merge(base, overrides))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty")
+    config = config_from_args(args)
+    target = Target.load(config.target, resolve_dtype(config.dtype))
+    engine = Engine(config, target)
+    result = engine.generate(args.prompt)
+    baseline = None
+    if args.compare:
+        plain = config.model_copy(update={"drafter": NO_DRAFTER})
+        baseline = Engine(plain, target).generate(args.prompt)
+    if args.json:
+        payload: dict[str, Any] = _as_json(result)
+        if baseline is not None:
+            payload["baseline"] = _as_json(baseline)
+            payload["identical_to_baseline"] = baseline.token_ids == result.token_ids
+        print(json.dumps(payload))
+        return 0
+    print(result.text)
+    print()
+    _print_stats(engine.method, result)
+    if baseline is not None:
+        _print_stats("ar", baseline)
+        same = "identical" if baseline.token_ids == result.token_ids else "DIFFERENT"
+        speedup = baseline.wall_s / result.wall_s if result.wall_s else float("nan")
+        print(f"output {same} to the baseline; speedup {speedup:.2f}x")
+    return 0
+
+
+def _as_json(result: GenerationResult) -> dict[str, Any]:
+    return {"text": result.text, "token_ids": result.token_ids, "stats": result.stats()}
+
+
+def _print_stats(method: str, result: GenerationResult) -> None:
+    stats = result.stats()
+    print(
+        f"[{method}] {stats['new_tokens']} tokens in {stats['steps']} steps, tau {stats['tau']:.2f}, "
+        f"{stats['tokens_per_s']:.1f} tokens/s, draft {stats['draft_s']:.2f}s, "
+        f"verify {stats['verify_s']:.2f}s, wall {stats['wall_s']:.2f}s"
+    )

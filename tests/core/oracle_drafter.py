@@ -1,0 +1,79 @@
+"""A test drafter that knows the reference continuation and mixes it with random wrong tokens.
+
+It is a real Drafter plugin (registered through the same hook as any other) whose
+proposals contain the true greedy token at a random rank, or not at all, so that trees
+of every shape get partially accepted and the engine's accept/commit/emit logic is
+exercised on deep, branching paths.
+"""
+
+from __future__ import annotations
+
+import torch
+from jetflow.core.contracts import DraftContext, Drafter
+from jetflow.core.hookspecs import hookimpl
+from jetflow.core.tree import DraftTree
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+
+class OracleParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reference: tuple[int, ...]  # prompt + greedy continuation
+    hit_rate: float = 0.8
+    vocab_size: int = 256
+    seed: int = 0
+    max_depth: int | None = None
+
+
+class OracleSession:
+    def __init__(self, params: OracleParams, committed: int, generator: torch.Generator) -> None:
+        self.params, self.committed, self.generator = params, committed, generator
+        self.max_depth = params.max_depth
+
+    def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        reference = torch.tensor(self.params.reference)
+        tokens = torch.randint(2, self.params.vocab_size, (len(nodes), k), generator=self.generator)
+        for row, node in enumerate(nodes.tolist()):
+            depth = int(tree.depths[node])
+            path = tree.tokens[tree.path(node)[1:]]
+            start = self.committed
+            on_reference = start + depth < len(reference) and bool(
+                (reference[start : start + depth] == path).all()
+            )
+            candidates = tokens[row]
+            if on_reference and torch.rand((), generator=self.generator) < self.params.hit_rate:
+                rank = int(torch.randint(0, k, (), generator=self.generator))
+                candidates[rank] = reference[start + depth]
+            tokens[row] = _distinct(candidates, self.params.vocab_size)
+        logprobs = -torch.rand(len(nodes), k, generator=self.generator).sort(dim=1).values * 3
+        return tokens, logprobs
+
+
+def _distinct(tokens: Tensor, vocab: int) -> Tensor:
+    """Replace repeated tokens in a row by unused ones so siblings stay distinct."""
+    seen: set[int] = set()
+    out = []
+    spare = (t for t in range(2, vocab) if t not in set(tokens.tolist()))
+    for token in tokens.tolist():
+        out.append(token if token not in seen else next(spare))
+        seen.add(out[-1])
+    return torch.tensor(out)
+
+
+class OracleDrafter(Drafter):
+    name = "test-oracle"
+    description = "test drafter: the reference continuation mixed with random tokens"
+    Params = OracleParams
+
+    def reset(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def begin(self, context: DraftContext) -> OracleSession:
+        # tokens[-1] is the root: the committed text ends at len(tokens)
+        return OracleSession(self.params, len(context.tokens), self.generator)
+
+
+@hookimpl
+def jetflow_drafters() -> list[type]:
+    return [OracleDrafter]
