@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from jetflow.bench.config import BenchConfig
 
 EXIT_NOT_LOSSLESS = 1
+#: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
+_CONFIG_FLAGS = (
+    *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
+    *("dtype", "target", "threads", "out"),
+)
 
 
 def _names(text: str) -> list[str]:
@@ -41,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="per turn (default 128)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--target", help="'default', a local folder, a .gguf file or a cached hub id")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", help="output folder (default results/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -48,8 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The flags that were given, as config keys."""
-    fields = ("drafters", "datasets", "limit", "budgets", "max_new_tokens", "dtype", "target", "out")
-    return {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in _CONFIG_FLAGS if getattr(args, name) is not None}
 
 
 def command_line(config: BenchConfig, config_file: str | None) -> str:
@@ -60,6 +65,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
         words += ["--limit", str(config.limit)]
     words += ["--budgets", ",".join(map(str, config.budgets)), "--max-new-tokens", str(config.max_new_tokens)]
     words += ["--dtype", config.dtype, "--target", config.target, "--out", config.out]
+    if config.threads is not None:
+        words += ["--threads", str(config.threads)]
     return shlex.join(words)
 
 

@@ -1,0 +1,140 @@
+"""What a comparison run measures: a frozen pydantic model, loadable from TOML.
+
+It goes through the same machinery as generation configs (``build_config``, ``load_toml``,
+``merge``), and every name in it (drafters, tree policies, data sets) is checked when the
+config is validated, so a typo fails in milliseconds instead of after the model has loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jetflow.bench.datasets import DATASET_NAMES, FILE_PREFIX
+from jetflow.core.config import TreeConfig, build_config, load_toml, merge
+from jetflow.core.errors import ConfigError
+from jetflow.core.precision import DtypeName
+from jetflow.core.registry import Registry, default_registry
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+#: the in-process baselines; ``ar`` (the engine loop without a drafter) always runs
+AR = "ar"
+HF_GENERATE = "hf-generate"
+HF_PROMPT_LOOKUP = "hf-prompt-lookup"
+BASELINES: tuple[str, ...] = (HF_GENERATE, HF_PROMPT_LOOKUP)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One entry of ``drafters``: a drafter name and, optionally, an explicit tree policy.
+
+    ``method`` is what results call the run: the entry exactly as the user typed it
+    (``ngram`` runs the drafter's default policy, ``ngram:chain`` names one).
+    """
+
+    drafter: str
+    policy: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterSpec:
+        drafter, _, policy = text.strip().partition(":")
+        if not drafter or (_ and not policy):
+            raise ConfigError(f"drafters: {text!r} is not 'name' or 'name:policy'")
+        return cls(drafter, policy or None)
+
+    @property
+    def method(self) -> str:
+        return f"{self.drafter}:{self.policy}" if self.policy else self.drafter
+
+    def resolved_policy(self, registry: Registry) -> str:
+        """The policy the engine will run: the explicit one, else the drafter's default."""
+        return self.policy or registry.get("drafter", self.drafter).default_tree_policy
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BenchTree(_Frozen):
+    """Tree shape shared by every drafter run; the budget comes from ``budgets``."""
+
+    width: int = Field(4, ge=1, description="children proposed per expanded node")
+    max_depth: int = Field(16, ge=1, description="deepest tree level")
+
+
+class BenchConfig(_Frozen):
+    """Everything that decides one side-by-side comparison."""
+
+    target: str = Field("default", description="as in `jetflow generate --target`")
+    dtype: DtypeName = Field("auto", description="'auto' picks bf16 only where the hardware has it")
+    drafters: tuple[str, ...] = Field(("ngram",), description="'name' or 'name:policy' each")
+    datasets: tuple[str, ...] = Field(("champ", "humaneval", "mtbench"), min_length=1)
+    limit: int | None = Field(20, ge=1, description="first N samples of each data set (None: all)")
+    budgets: tuple[PositiveInt, ...] = Field(
+        (8, 16, 32), min_length=1, description="tree budgets, each a run per drafter"
+    )
+    max_new_tokens: int = Field(128, ge=1, description="per turn (MT-Bench has two turns)")
+    baselines: tuple[str, ...] = Field(BASELINES, description="transformers peers to run beside 'ar'")
+    prompt_lookup_tokens: int = Field(10, ge=1, description="hf-prompt-lookup's prompt_lookup_num_tokens")
+    warmup_tokens: int = Field(16, ge=0, description="one untimed generation per method first; 0: none")
+    # bf16 logits of SmolLM2 are ~20 in size, so they step by 0.125; one forward versus
+    # 16-token chunks of the same tokens moved them by up to 0.94 (mean 0.12) here.
+    tie_tolerance: float = Field(
+        1.0, ge=0.0, description="bf16/fp16: max logit gap at a divergence that counts as a rounding tie"
+    )
+    tree: BenchTree = Field(default_factory=BenchTree)
+    drafter_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per drafter name: its plugin parameters"
+    )
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (None: torch's default); fewer can win on a busy machine"
+    )
+    seed: int = 0
+    out: str = Field("results", description="folder for results.json, report.md and the plots")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> BenchConfig:
+        specs = self.drafter_specs
+        methods = [spec.method for spec in specs]
+        twice = sorted({method for method in methods if methods.count(method) > 1})
+        if twice:
+            raise ConfigError(f"drafters: {', '.join(twice)} listed more than once")
+        if len(set(self.budgets)) != len(self.budgets):
+            raise ConfigError(f"budgets: a budget is listed twice in {list(self.budgets)}")
+        unknown = [name for name in self.baselines if name not in BASELINES]
+        if unknown:
+            raise ConfigError(f"unknown baseline {unknown[0]!r}; known baselines: {', '.join(BASELINES)}")
+        for name in self.datasets:
+            if name not in DATASET_NAMES and not name.startswith(FILE_PREFIX):
+                known = ", ".join(DATASET_NAMES)
+                raise ConfigError(f"unknown dataset {name!r}; known datasets: {known}, or file:PATH.jsonl")
+        registry = default_registry()
+        for spec in specs:
+            drafter_cls = registry.get("drafter", spec.drafter)  # PluginNotFoundError lists the names
+            registry.get("tree_policy", spec.resolved_policy(registry))
+            try:
+                drafter_cls.Params.model_validate(self.drafter_params.get(spec.drafter, {}))
+            except ValidationError as error:
+                problem = error.errors()[0]
+                where = ".".join(str(part) for part in problem["loc"])
+                raise ConfigError(f"drafter_params.{spec.drafter}.{where}: {problem['msg']}") from None
+        stray = set(self.drafter_params) - {spec.drafter for spec in specs}
+        if stray:
+            raise ConfigError(f"drafter_params for drafters not in the run: {', '.join(sorted(stray))}")
+        return self
+
+    @property
+    def drafter_specs(self) -> tuple[DrafterSpec, ...]:
+        return tuple(DrafterSpec.parse(text) for text in self.drafters)
+
+    def tree_config(self, spec: DrafterSpec, budget: int) -> TreeConfig:
+        return TreeConfig(
+            policy=spec.policy, budget=budget, width=self.tree.width, max_depth=self.tree.max_depth
+        )
+
+
+def load_bench_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> BenchConfig:
+    """A validated :class:`BenchConfig` from an optional TOML file plus overrides (CLI flags)."""
+    base = load_toml(path) if path else {}
+    return build_config(BenchConfig, merge(base, overrides or {}))

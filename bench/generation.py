@@ -1,0 +1,45 @@
+"""The contract every compared method meets, as Spec-Bench has one ``forward_func``.
+
+A method turns prompt token ids into a :class:`Generation`; the runner never needs to know
+whether it is the jetflow engine (with or without a drafter) or ``transformers.generate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one method produced for one prompt, and what it cost.
+
+    Attributes:
+        token_ids: the new tokens (an end-of-sequence token included, as it was emitted).
+        wall_s: seconds from the call to the last token, prefill included.
+        steps: target forwards that emitted tokens (tau = tokens / steps).
+        draft_s: seconds spent drafting.
+        verify_s: seconds spent in target forwards (plus acceptance and cache commit).
+        accepted: drafted tokens accepted at each step, or None where the method hides it.
+    """
+
+    token_ids: tuple[int, ...]
+    wall_s: float
+    steps: int
+    draft_s: float
+    verify_s: float
+    accepted: tuple[int, ...] | None
+
+
+class Method(Protocol):
+    """A named way of decoding greedily with the shared target."""
+
+    #: the run's ``method`` in results: ``ar``, ``hf-generate``, ``ngram``, ``ngram:chain``, ...
+    name: str
+    #: tree budget, None for methods without one
+    budget: int | None
+    #: the tree policy actually run, None for methods without a tree
+    policy: str | None
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation: ...

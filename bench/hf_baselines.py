@@ -1,0 +1,147 @@
+"""The peers a user gets for free: ``transformers.generate``, plain and with prompt lookup.
+
+``generate`` reports neither its forwards nor its acceptance, so a probe hooks the target
+model for the duration of one call: each forward's start position (from ``position_ids``)
+gives the tokens that forward emitted, hence tau and the acceptance histogram, and the
+hooks time the forwards. Prompt lookup's drafting time is taken by timing its candidate
+generator's ``get_candidates`` for the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jetflow.bench.generation import Generation
+from jetflow.core.target import Target
+from transformers import GenerationConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardProbe:
+    """Forwards of one ``generate`` call: the first position each one fed, and their time."""
+
+    starts: list[int] = field(default_factory=list)
+    forward_s: float = 0.0
+    _entered: float = 0.0
+
+    def before(self, _module: torch.nn.Module, _args: tuple, kwargs: dict[str, Any]) -> None:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = kwargs.get("cache_position")
+        self.starts.append(-1 if positions is None else int(positions.reshape(-1)[0]))
+        self._entered = time.perf_counter()
+
+    def after(self, *_: object) -> None:
+        self.forward_s += time.perf_counter() - self._entered
+
+    def accepted(self, prompt_len: int, new_tokens: int) -> tuple[int, ...] | None:
+        """Drafted tokens accepted per forward, from where each next forward starts.
+
+        Forward ``i + 1`` starts at the last token forward ``i`` emitted, so its start
+        position is ``prompt_len + emitted so far - 1``; unknown positions give None.
+        """
+        if not self.starts or min(self.starts) < 0:
+            return None
+        emitted_before = torch.tensor([*self.starts[1:]], dtype=torch.long) - prompt_len + 1
+        ends = torch.cat([emitted_before, torch.tensor([new_tokens])])
+        emitted = torch.diff(ends, prepend=torch.tensor([0]))
+        if bool((emitted < 1).any()):
+            log.debug("probe positions %s do not describe a greedy decode; no histogram", self.starts)
+            return None
+        return tuple((emitted - 1).tolist())
+
+
+@contextmanager
+def _probed(model: torch.nn.Module) -> Iterator[ForwardProbe]:
+    probe = ForwardProbe()
+    handles = [
+        model.register_forward_pre_hook(probe.before, with_kwargs=True),
+        model.register_forward_hook(probe.after),
+    ]
+    try:
+        yield probe
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class _Stopwatch:
+    seconds: float = 0.0
+
+
+@contextmanager
+def _timed_candidates(enabled: bool) -> Iterator[_Stopwatch]:
+    """Time ``PromptLookupCandidateGenerator.get_candidates`` (prompt lookup's drafting)."""
+    watch = _Stopwatch()
+    if not enabled:
+        yield watch
+        return
+    from transformers.generation import candidate_generator
+
+    owner = getattr(candidate_generator, "PromptLookupCandidateGenerator", None)
+    original = getattr(owner, "get_candidates", None)
+    if original is None:
+        log.warning("transformers has no PromptLookupCandidateGenerator.get_candidates: draft time unknown")
+        yield watch
+        return
+
+    def timed(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            watch.seconds += time.perf_counter() - start
+
+    owner.get_candidates = timed
+    try:
+        yield watch
+    finally:
+        owner.get_candidates = original
+
+
+class HFGenerateMethod:
+    """Greedy ``target.model.generate``; with ``prompt_lookup_num_tokens`` it is HF's prompt lookup."""
+
+    budget: int | None = None
+    policy: str | None = None
+
+    def __init__(self, name: str, target: Target, prompt_lookup_num_tokens: int | None = None) -> None:
+        self.name = name
+        self.target = target
+        eos = sorted(target.eos_token_ids)
+        # A clean greedy config: sampling knobs a checkpoint ships with must not leak in.
+        self.options: dict[str, Any] = {
+            "do_sample": False,
+            "eos_token_id": eos or None,
+            "pad_token_id": eos[0] if eos else 0,
+            "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+        }
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
+        model = self.target.model
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.target.device)
+        config = GenerationConfig(**self.options, max_new_tokens=max_new_tokens)
+        lookup = self.options["prompt_lookup_num_tokens"] is not None
+        with _probed(model) as probe, _timed_candidates(lookup) as drafting:
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            wall = time.perf_counter() - start
+        new = tuple(out[0, ids.shape[1] :].tolist())
+        return Generation(
+            token_ids=new,
+            wall_s=wall,
+            steps=len(probe.starts),
+            draft_s=drafting.seconds,
+            verify_s=probe.forward_s,
+            accepted=probe.accepted(ids.shape[1], len(new)),
+        )

@@ -1,0 +1,45 @@
+"""The facts a speedup depends on: processor, threads, accelerator, library versions.
+
+A budget that pays off on one machine loses on another (REFERENCE.md: bf16 AMX versus
+fp32), so every results file says where it was measured.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+from jetflow.core.precision import default_device, has_native_bf16
+
+from jetflow import __version__
+
+
+def _cpu_model() -> str:
+    """The processor's marketing name (Linux), else whatever ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_machine() -> dict[str, object]:
+    device = default_device()
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device.type,
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "native_bf16": has_native_bf16(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "jetflow": __version__,
+    }

@@ -1,0 +1,63 @@
+"""The methods of a comparison run, all sharing one loaded target.
+
+``ar`` (the engine loop without a drafter) comes first: it is the reference for speedups
+and for the lossless check. Then the transformers peers, then each drafter at each budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jetflow.bench.config import AR, HF_GENERATE, HF_PROMPT_LOOKUP, BenchConfig
+from jetflow.bench.generation import Generation, Method
+from jetflow.bench.hf_baselines import HFGenerateMethod
+from jetflow.core.config import NO_DRAFTER, GenerateConfig
+from jetflow.core.engine import Engine
+from jetflow.core.registry import Registry, default_registry
+from jetflow.core.target import Target
+
+
+class EngineMethod:
+    """The jetflow engine loop: ``ar`` without a drafter, else a drafter at one budget."""
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name = name
+        self.engine = engine
+        self.budget = engine.budget
+        self.policy = engine.policy.name if engine.drafter else None
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
+        result = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens)
+        return Generation(
+            token_ids=tuple(result.token_ids),
+            wall_s=result.wall_s,
+            steps=len(result.steps),
+            draft_s=result.draft_s,
+            verify_s=result.verify_s,
+            accepted=tuple(step.accepted for step in result.steps),
+        )
+
+
+def build_methods(config: BenchConfig, target: Target, registry: Registry | None = None) -> list[Method]:
+    """Every method of a run, ``ar`` first (the reference for speedups and losslessness)."""
+    registry = registry or default_registry()
+
+    def engine(drafter: str, tree=None, params=None) -> Engine:
+        fields = {"target": config.target, "dtype": config.dtype, "drafter": drafter, "seed": config.seed}
+        if tree is not None:
+            fields.update(tree=tree, drafter_params=params or {})
+        return Engine(GenerateConfig(**fields), target=target, registry=registry)
+
+    methods: list[Method] = [EngineMethod(AR, engine(NO_DRAFTER))]
+    if HF_GENERATE in config.baselines:
+        methods.append(HFGenerateMethod(HF_GENERATE, target))
+    if HF_PROMPT_LOOKUP in config.baselines:
+        methods.append(
+            HFGenerateMethod(HF_PROMPT_LOOKUP, target, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
+        )
+    for spec in config.drafter_specs:
+        params = config.drafter_params.get(spec.drafter, {})
+        for budget in config.budgets:
+            tree = config.tree_config(spec, budget)
+            methods.append(EngineMethod(spec.method, engine(spec.drafter, tree, params)))
+    return methods

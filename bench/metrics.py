@@ -1,0 +1,80 @@
+"""From per-prompt generations to one row of results: tau, tokens/s, speedup, shares.
+
+Every figure is a ratio of sums over the run's prompts (turns), not a mean of per-prompt
+ratios, so long answers weigh as much as the time they took: tokens/s is total tokens over
+total wall time, tau total tokens over total target forwards, and the speedup the ratio of
+tokens/s against ``ar`` on the very same prompts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jetflow.bench.generation import Generation, Method
+from jetflow.bench.lossless import Divergence
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One method's answer to one user turn, and how it compares with the reference."""
+
+    sample_id: str
+    turn: int
+    prompt_ids: tuple[int, ...]
+    generation: Generation
+    divergence: Divergence | None = None
+
+
+def tokens_per_s(records: Sequence[TurnRecord]) -> float:
+    wall = sum(record.generation.wall_s for record in records)
+    tokens = sum(len(record.generation.token_ids) for record in records)
+    return tokens / wall if wall > 0 else 0.0
+
+
+def accept_histogram(records: Sequence[TurnRecord]) -> dict[str, int] | None:
+    """Steps per number of accepted drafted tokens (JSON keys), None if a method hides it."""
+    counts: Counter[int] = Counter()
+    for record in records:
+        if record.generation.accepted is None:
+            return None
+        counts.update(record.generation.accepted)
+    return {str(accepted): counts[accepted] for accepted in sorted(counts)}
+
+
+def summarise(
+    method: Method,
+    dataset: str,
+    dtype: str,
+    records: Sequence[TurnRecord],
+    ar_tokens_per_s: float,
+) -> dict[str, object]:
+    """One ``runs`` entry of results.json (the issue's keys first, then the detail)."""
+    generations = [record.generation for record in records]
+    wall = sum(g.wall_s for g in generations)
+    tokens = sum(len(g.token_ids) for g in generations)
+    steps = sum(g.steps for g in generations)
+    divergences = [r.divergence for r in records if r.divergence is not None]
+    speed = tokens_per_s(records)
+    return {
+        "method": method.name,
+        "dataset": dataset,
+        "budget": method.budget,
+        "n_prompts": len({record.sample_id for record in records}),
+        "new_tokens": tokens,
+        "tau": tokens / steps if steps else 0.0,
+        "tokens_per_s": speed,
+        "speedup_vs_ar": speed / ar_tokens_per_s if ar_tokens_per_s > 0 else 0.0,
+        "draft_share": sum(g.draft_s for g in generations) / wall if wall > 0 else 0.0,
+        "lossless": all(d.kind != "bug" for d in divergences),
+        "dtype": dtype,
+        "policy": method.policy,
+        "n_turns": len(records),
+        "steps": steps,
+        "wall_s": wall,
+        "verify_share": sum(g.verify_s for g in generations) / wall if wall > 0 else 0.0,
+        "accept_histogram": accept_histogram(records),
+        "rounding_ties": sum(d.kind == "tie" for d in divergences),
+        "divergences": [d.as_dict() for d in divergences],
+    }

@@ -1,0 +1,194 @@
+"""Write a comparison's outputs: ``results.json``, ``report.md`` (tables a person reads), plots.
+
+The report is rendered from the results alone, so it can be regenerated from a saved
+``results.json`` (:func:`render_markdown`) without rerunning anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jetflow.bench.plots import write_plots
+from jetflow.bench.results import BenchResults
+
+log = logging.getLogger(__name__)
+
+RESULTS_JSON = "results.json"
+REPORT_MD = "report.md"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _budget(run: dict[str, Any]) -> str:
+    return "-" if run["budget"] is None else str(run["budget"])
+
+
+def _histogram(run: dict[str, Any]) -> str:
+    histogram = run.get("accept_histogram")
+    if histogram is None:
+        return "n/a"
+    return " ".join(f"{accepted}:{count}" for accepted, count in histogram.items())
+
+
+def _lossless(run: dict[str, Any]) -> str:
+    if not run["lossless"]:
+        return "**NO**"
+    ties = run.get("rounding_ties", 0)
+    return f"yes ({ties} rounding ties)" if ties else "yes"
+
+
+def _header(results: BenchResults) -> list[str]:
+    machine, settings = results.machine, results.settings
+    accelerator = machine.get("accelerator") or f"{machine.get('torch_threads')} CPU threads"
+    lines = [
+        "# jetflow benchmark",
+        "",
+        f"* target: `{results.target}`, dtype `{settings.get('resolved_dtype')}` "
+        f"(asked: `{settings.get('dtype')}`)",
+        f"* machine: {machine.get('cpu')}, {accelerator}, native bf16: {machine.get('native_bf16')}; "
+        f"torch {machine.get('torch')}, transformers {machine.get('transformers')}",
+        f"* data: {', '.join(f'{k} ({v} samples)' for k, v in settings.get('n_samples', {}).items())}; "
+        f"max_new_tokens {settings.get('max_new_tokens')} per turn",
+        f"* drafters {', '.join(settings.get('drafters', []))} at budgets "
+        f"{', '.join(str(b) for b in settings.get('budgets', []))}; "
+        "speedup = tokens/s over `ar` (the same engine loop without a drafter) on the same prompts",
+    ]
+    if settings.get("command"):
+        lines.append(f"* command: `{settings['command']}`")
+    failures = results.failures()
+    if failures:
+        lines += ["", f"**Lossless check FAILED: {len(failures)} real divergence(s).**"]
+    else:
+        ties = sum(run.get("rounding_ties", 0) for run in results.runs)
+        note = f" ({ties} bf16 rounding ties, see below)" if ties else ""
+        lines += ["", f"Lossless check passed: every method's greedy output equals `ar`'s{note}."]
+    return lines
+
+
+def _summary(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Best speedup over budgets, one row per method, one column per data set."""
+    datasets = list(dict.fromkeys(run["dataset"] for run in runs))
+    rows = []
+    for method in dict.fromkeys(run["method"] for run in runs):
+        cells: list[object] = [f"`{method}`"]
+        for dataset in datasets:
+            candidates = [r for r in runs if r["method"] == method and r["dataset"] == dataset]
+            if not candidates:
+                cells.append("-")
+                continue
+            best = max(candidates, key=lambda r: r["speedup_vs_ar"])
+            at = "" if best["budget"] is None else f" (B={best['budget']}, tau {best['tau']:.2f})"
+            cells.append(f"{best['speedup_vs_ar']:.2f}x{at}")
+        rows.append(cells)
+    return ["## Best speedup per method", "", *_table(["method", *datasets], rows)]
+
+
+def _dataset_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    header = ["method", "budget", "tau", "tokens/s", "speedup", "draft share", "verify share", "lossless"]
+    for dataset in dict.fromkeys(run["dataset"] for run in runs):
+        rows = [r for r in runs if r["dataset"] == dataset]
+        first = rows[0]
+        lines += [
+            "",
+            f"## {dataset}: {first['n_prompts']} prompts, {first['n_turns']} turns, "
+            f"{first['new_tokens']} tokens by ar",
+            "",
+        ]
+        lines += _table(
+            header,
+            [
+                [
+                    f"`{r['method']}`",
+                    _budget(r),
+                    f"{r['tau']:.2f}",
+                    f"{r['tokens_per_s']:.1f}",
+                    f"{r['speedup_vs_ar']:.2f}x",
+                    f"{r['draft_share']:.1%}",
+                    f"{r['verify_share']:.1%}",
+                    _lossless(r),
+                ]
+                for r in rows
+            ],
+        )
+    return lines
+
+
+def _acceptance(runs: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [
+        [f"`{r['method']}`", _budget(r), r["dataset"], _histogram(r)]
+        for r in runs
+        if r["method"] != "ar" and r.get("accept_histogram") != {"0": r["steps"]}
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "## Acceptance lengths",
+        "",
+        "Steps per number of accepted drafted tokens (`accepted:steps`); each step also emits the "
+        "target's own next token.",
+        "",
+        *_table(["method", "budget", "dataset", "histogram"], rows),
+    ]
+
+
+def _divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [
+        [
+            f"`{r['method']}`",
+            _budget(r),
+            r["dataset"],
+            d["sample_id"],
+            d["turn"],
+            d["position"],
+            d["expected"],
+            d["got"],
+            "-" if d["logit_gap"] is None else f"{d['logit_gap']:.4f}",
+            d["kind"],
+        ]
+        for r in runs
+        for d in r.get("divergences", [])
+    ]
+    if not rows:
+        return []
+    header = ["method", "budget", "dataset", "sample", "turn", "token", "ar", "method's", "logit gap", "kind"]
+    return [
+        "",
+        "## Divergences from ar",
+        "",
+        "First differing token per prompt turn. `logit gap`: top logit minus the lower of the two "
+        "tokens' logits in a teacher-forced forward of ar's tokens; `tie` means both are within the "
+        "tolerance of the top (bf16 rounding), `bug` is a real divergence.",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def render_markdown(results: BenchResults, plots: Sequence[Path] = ()) -> str:
+    lines = _header(results)
+    if results.runs:
+        lines += ["", *_summary(results.runs), *_dataset_tables(results.runs)]
+        lines += _acceptance(results.runs) + _divergences(results.runs)
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{path.stem}]({path.name})" for path in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(results: BenchResults, folder: str | Path) -> list[Path]:
+    """``results.json`` first (so nothing is lost if plotting fails), then plots and report."""
+    folder = Path(folder)
+    written = [results.write_json(folder / RESULTS_JSON)]
+    plots = write_plots(results.runs, folder)
+    report = folder / REPORT_MD
+    report.write_text(render_markdown(results, plots))
+    written += [report, *plots]
+    log.info("wrote %s", ", ".join(str(path) for path in written))
+    return written

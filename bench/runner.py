@@ -1,0 +1,164 @@
+"""Side-by-side comparison: every method on the same prompts, in one process, one target.
+
+Order of work, chosen for fairness on a shared machine: the target loads once; every method
+gets one untimed warm-up generation; then for each prompt (and each user turn) the methods
+run one after another, ``ar`` first, so drift in machine load spreads over all of them
+instead of penalising whichever ran last. Multi-turn samples (MT-Bench) ask the second
+turn after the baseline's own first answer, so every method sees the same second prompt;
+both turns are measured.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+import torch
+from jetflow.bench.config import AR, BenchConfig
+from jetflow.bench.datasets import Sample, load_dataset_samples
+from jetflow.bench.generation import Generation, Method
+from jetflow.bench.lossless import LosslessChecker
+from jetflow.bench.machine import describe_machine
+from jetflow.bench.methods import build_methods
+from jetflow.bench.metrics import TurnRecord, summarise, tokens_per_s
+from jetflow.bench.results import BenchResults
+from jetflow.core.precision import dtype_name, resolve_dtype
+from jetflow.core.registry import Registry
+from jetflow.core.target import Target
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def turn_prompt_ids(target: Target, sample: Sample, turn: int, answers: Sequence[str]) -> tuple[int, ...]:
+    """The conversation up to user turn ``turn``, with ``answers`` as the assistant's replies."""
+    messages: list[dict[str, str]] = []
+    for index in range(turn + 1):
+        messages.append({"role": "user", "content": sample.turns[index]})
+        if index < turn:
+            messages.append({"role": "assistant", "content": answers[index]})
+    return tuple(target.encode_prompt(messages))
+
+
+def load_samples(config: BenchConfig) -> dict[str, list[Sample]]:
+    """The first ``limit`` samples of each data set (before any model loads: bad data fails fast)."""
+    return {name: load_dataset_samples(name, config.limit) for name in config.datasets}
+
+
+def apply_threads(config: BenchConfig) -> None:
+    """Set torch's CPU threads if the config asks (process-wide, as torch only allows)."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+
+
+def count_turns(samples: Mapping[str, Sequence[Sample]]) -> int:
+    return sum(len(sample.turns) for group in samples.values() for sample in group)
+
+
+class BenchmarkRunner:
+    """Runs a list of methods (``ar`` first) over data sets and summarises each run."""
+
+    def __init__(
+        self,
+        config: BenchConfig,
+        target: Target,
+        methods: Sequence[Method] | None = None,
+        registry: Registry | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.methods = list(methods) if methods is not None else build_methods(config, target, registry)
+        if not self.methods or self.methods[0].name != AR:
+            raise ValueError("the first method must be 'ar', the reference of every comparison")
+        self.checker = LosslessChecker(target, config.tie_tolerance)
+        self.progress = progress
+
+    # ------------------------------------------------------------------ phases
+    def warm_up(self, prompt_ids: Sequence[int]) -> None:
+        """One short untimed generation per method: first-call costs stay out of the timings."""
+        if self.config.warmup_tokens == 0:
+            return
+        for method in tqdm(self.methods, desc="warm-up", disable=not self.progress, leave=False):
+            method.generate(prompt_ids, self.config.warmup_tokens)
+
+    def run_dataset(
+        self, samples: Sequence[Sample], on_generation: Callable[[], None] | None = None
+    ) -> list[list[TurnRecord]]:
+        """Records per method (same order as ``methods``), every method on every turn."""
+        records: list[list[TurnRecord]] = [[] for _ in self.methods]
+        for sample in samples:
+            answers: list[str] = []
+            for index in range(len(sample.turns)):
+                prompt_ids = turn_prompt_ids(self.target, sample, index, answers)
+                reference: Generation | None = None
+                for method, method_records in zip(self.methods, records, strict=True):
+                    generation = method.generate(prompt_ids, self.config.max_new_tokens)
+                    reference = reference or generation
+                    record = TurnRecord(sample.id, index, prompt_ids, generation)
+                    if generation is not reference:
+                        record = self._compare(method, record, reference)
+                    method_records.append(record)
+                    if on_generation:
+                        on_generation()
+                answers.append(self.target.decode(list(reference.token_ids)))
+        return records
+
+    def _compare(self, method: Method, record: TurnRecord, reference: Generation) -> TurnRecord:
+        """``record`` with its divergence from the reference, if any (logged: bugs as errors)."""
+        divergence = self.checker.check(
+            record.sample_id, record.turn, record.prompt_ids, reference.token_ids, record.generation.token_ids
+        )
+        if divergence is None:
+            return record
+        level = logging.ERROR if divergence.kind == "bug" else logging.INFO
+        log.log(
+            level,
+            "%s diverges from ar on %s turn %d: %s",
+            method.name,
+            record.sample_id,
+            record.turn,
+            divergence,
+        )
+        return replace(record, divergence=divergence)
+
+    def run(self, samples: Mapping[str, Sequence[Sample]]) -> BenchResults:
+        """Warm up, run every data set, and summarise one row per method x data set x budget."""
+        dtype = dtype_name(self.target.dtype)
+        settings = {
+            **self.config.model_dump(mode="json"),
+            "resolved_dtype": dtype,
+            "methods": [{"method": m.name, "budget": m.budget, "policy": m.policy} for m in self.methods],
+            "n_samples": {name: len(group) for name, group in samples.items()},
+        }
+        results = BenchResults(describe_machine(), self.target.name, settings)
+        first = next((group[0] for group in samples.values() if group), None)
+        if first is None:
+            log.warning("no samples to run")
+            return results
+        self.warm_up(turn_prompt_ids(self.target, first, 0, []))
+        total = count_turns(samples) * len(self.methods)
+        with tqdm(total=total, desc="generations", unit="gen", disable=not self.progress) as bar:
+            for name, group in samples.items():
+                bar.set_postfix_str(name)
+                records = self.run_dataset(group, on_generation=bar.update)
+                ar_speed = tokens_per_s(records[0])
+                for method, method_records in zip(self.methods, records, strict=True):
+                    results.runs.append(summarise(method, name, dtype, method_records, ar_speed))
+        return results
+
+
+def run_benchmark(
+    config: BenchConfig,
+    target: Target | None = None,
+    registry: Registry | None = None,
+    progress: bool = False,
+) -> BenchResults:
+    """Load the data, then the target (once), and run the whole comparison."""
+    samples = load_samples(config)
+    apply_threads(config)
+    if target is None:
+        target = Target.load(config.target, resolve_dtype(config.dtype))
+    log.info("target %s (%s), %d generations", target.name, dtype_name(target.dtype), count_turns(samples))
+    return BenchmarkRunner(config, target, registry=registry, progress=progress).run(samples)

@@ -1,0 +1,110 @@
+"""``jetflow bench``: bad input fails before the model loads; a run writes its outputs; a
+real divergence is written down and then fails the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jetflow.bench import runner as runner_module
+from jetflow.bench.results import BenchResults
+from jetflow.cli.main import main
+from jetflow.core.target import Target
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the target must not load for bad input")
+
+    monkeypatch.setattr(Target, "load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--drafters", "ngram,nope"], "unknown drafter 'nope'; known drafters: ngram"),
+        (["--drafters", "ngram:zigzag"], "unknown tree policy 'zigzag'"),
+        (["--datasets", "champ,gsm8k"], "unknown dataset 'gsm8k'"),
+        (["--budgets", "8,x"], "budgets"),
+        (["--budgets", "0"], "budgets"),
+        (["--limit", "0"], "limit"),
+        (["--config", "/nonexistent/bench.toml"], "config file not found"),
+        (["--datasets", "file:/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_without_loading(
+    capsys: pytest.CaptureFixture[str], no_model_load: None, argv: list[str], message: str
+) -> None:
+    code = main(["bench", "--no-progress", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("jetflow: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _argv(tiny_target_dir: Path, prompt_file: Path, out: Path) -> list[str]:
+    return [
+        "bench",
+        "--target",
+        str(tiny_target_dir),
+        "--dtype",
+        "float32",
+        "--datasets",
+        f"file:{prompt_file}",
+        "--drafters",
+        "ngram,ngram:chain",
+        "--budgets",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+
+
+def test_a_run_writes_results_report_and_plots(
+    capsys: pytest.CaptureFixture[str], tiny_target_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    code = main(_argv(tiny_target_dir, prompt_file, tmp_path))
+    out, _ = capsys.readouterr()
+    assert code == 0
+    for name in ("results.json", "report.md", "tau_vs_budget.png", "speedup.png"):
+        assert (tmp_path / name).is_file(), name
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [run["method"] for run in results["runs"]] == [
+        "ar",
+        "hf-generate",
+        "hf-prompt-lookup",
+        "ngram",
+        "ngram:chain",
+    ]
+    assert results["settings"]["command"].startswith("jetflow bench --drafters ngram,ngram:chain")
+    assert "ngram:chain B=4" in out and "wrote " in out
+
+
+def test_a_real_divergence_exits_1_after_writing(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_target_dir: Path,
+    prompt_file: Path,
+    tmp_path: Path,
+) -> None:
+    real_run = runner_module.run_benchmark
+
+    def diverging(*args, **kwargs) -> BenchResults:
+        results = real_run(*args, **kwargs)
+        bug = {"sample_id": "loop", "turn": 0, "position": 2, "expected": 7, "got": 9, "logit_gap": 4.0}
+        results.runs[-1].update(lossless=False, divergences=[{**bug, "kind": "bug"}])
+        return results
+
+    monkeypatch.setattr(runner_module, "run_benchmark", diverging)
+    code = main(_argv(tiny_target_dir, prompt_file, tmp_path))
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert json.loads((tmp_path / "results.json").read_text())["runs"][-1]["lossless"] is False
+    assert "lossless check failed (1 real divergences)" in err
+    assert "ngram:chain budget 4 on file:" in err and "token 2 is 9, baseline has 7" in err
+    assert "NOT LOSSLESS" in out

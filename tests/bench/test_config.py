@@ -1,0 +1,88 @@
+"""Bench configs: TOML files, overrides, and every bad name caught before a model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from jetflow.bench.config import BenchConfig, DrafterSpec, load_bench_config
+from jetflow.bench.suite import bench_cases
+from jetflow.core.errors import ConfigError, PluginNotFoundError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
+
+
+def test_shipped_configs_are_valid() -> None:
+    paths = sorted(CONFIGS.glob("*.toml"))
+    assert paths, "bench/configs holds at least one example"
+    for path in paths:
+        assert isinstance(load_bench_config(path), BenchConfig)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bench.toml"
+    path.write_text('drafters = ["ngram:chain"]\nlimit = 5\n[tree]\nwidth = 2\n')
+    config = load_bench_config(path, {"limit": 2, "budgets": [4]})
+    assert (config.limit, config.budgets, config.drafters) == (2, (4,), ("ngram:chain",))
+    assert config.tree.width == 2 and config.tree.max_depth == 16
+    assert config.datasets == ("champ", "humaneval", "mtbench")
+
+
+@pytest.mark.parametrize(
+    ("text", "drafter", "policy", "method"),
+    [("ngram", "ngram", None, "ngram"), ("ngram:chain", "ngram", "chain", "ngram:chain")],
+)
+def test_drafter_spec(text: str, drafter: str, policy: str | None, method: str) -> None:
+    spec = DrafterSpec.parse(text)
+    assert (spec.drafter, spec.policy, spec.method) == (drafter, policy, method)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"drafters": ["nope"]}, "unknown drafter 'nope'; known drafters: ngram"),
+        ({"drafters": ["ngram:zigzag"]}, "unknown tree policy 'zigzag'"),
+        ({"drafters": ["ngram:"]}, "is not 'name' or 'name:policy'"),
+        ({"drafters": ["ngram", "ngram"]}, "ngram listed more than once"),
+        ({"datasets": ["gsm8k"]}, "unknown dataset 'gsm8k'; known datasets: champ"),
+        ({"baselines": ["vllm"]}, "unknown baseline 'vllm'"),
+        ({"budgets": [0]}, "budgets"),
+        ({"budgets": [8, 8]}, "listed twice"),
+        ({"budgets": []}, "budgets"),
+        ({"limit": 0}, "limit"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"drafter_params": {"ngram": {"max_ngram": 0}}}, "drafter_params.ngram.max_ngram"),
+        ({"drafter_params": {"eagle": {}}}, "drafter_params for drafters not in the run: eagle"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_values_are_config_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_bench_config(None, overrides)
+
+
+def test_unknown_drafter_lists_the_installed_ones() -> None:
+    with pytest.raises(PluginNotFoundError) as caught:
+        load_bench_config(None, {"drafters": ["ngram", "dflash:chain"]})
+    assert caught.value.name == "dflash" and "ngram" in caught.value.known
+
+
+def test_file_datasets_are_accepted_by_name() -> None:
+    assert load_bench_config(None, {"datasets": ["file:prompts.jsonl"]}).datasets == ("file:prompts.jsonl",)
+
+
+def test_suite_cases_cover_methods_by_data_set() -> None:
+    config = load_bench_config(None, {"datasets": ["champ", "mtbench"], "budgets": [8, 16]})
+    ids = [case.id for case in bench_cases(config)]
+    assert ids == [
+        "champ-ar",
+        "champ-hf-generate",
+        "champ-hf-prompt-lookup",
+        "champ-ngram-B8",
+        "champ-ngram-B16",
+        "mtbench-ar",
+        "mtbench-hf-generate",
+        "mtbench-hf-prompt-lookup",
+        "mtbench-ngram-B8",
+        "mtbench-ngram-B16",
+    ]
