@@ -6,7 +6,20 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+from jetflow.bench import datasets
 from jetflow.core.errors import ConfigError
+from jetflow.core.precision import resolve_dtype
+from jetflow.core.target import Target
+from jetflow.drafters.training.corpus import Corpus, corpus_dir_for, default_corpus_dir
+from jetflow.drafters.training.features import build_features, default_feature_layers
+from jetflow.drafters.training.regenerate import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_SHARD_SIZE,
+    regenerate,
+    select_prompts,
+)
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -32,15 +45,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument("--source", default="sharegpt", help="sharegpt, or file:PATH.jsonl of prompts")
     regen.add_argument("--n", type=int, required=True, help="conversations in the finished corpus")
     regen.add_argument("--max-new-tokens", type=int, default=256)
-    regen.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
-    regen.add_argument("--batch-size", type=int, default=16)
-    regen.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard")
+    regen.add_argument(
+        "--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS, help="longer prompts are skipped"
+    )
+    regen.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    shard_help = "conversations per resumable shard, sorted by length into batches"
+    regen.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help=shard_help)
     regen.add_argument("--dtype", choices=dtypes, default="auto")
     regen.add_argument("--out", type=Path, help="corpus folder (default: the packaged corpora/<target name>)")
     regen.add_argument(
         "--layers", type=_layer_list, help="feature layers, e.g. 1,8,14,20,27 (default: 5 spread)"
     )
     regen.add_argument("--no-features", action="store_true", help="skip the feature capture")
+    regen.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy machine)")
 
     feats = actions.add_parser("features", help="(re)build the feature cache of a corpus by teacher forcing")
     feats.add_argument("--corpus", type=Path, help="corpus folder (default: the default target's corpus)")
@@ -48,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     feats.add_argument("--dtype", choices=dtypes, default="auto")
     feats.add_argument("--layers", type=_layer_list, help="feature layers (default: 5 spread)")
     feats.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward")
+    feats.add_argument("--threads", type=int, help="torch CPU threads")
 
     stats = actions.add_parser("stats", help="summary of a corpus")
     stats.add_argument("--corpus", type=Path, help="corpus folder (default: the default target's corpus)")
@@ -60,19 +78,15 @@ def run(args: argparse.Namespace) -> int:
     return {"regenerate": _regenerate, "features": _features, "stats": _stats}[args.data_action](args)
 
 
-def _load_target(spec: str, dtype: str):
-    from jetflow.core.precision import resolve_dtype
-    from jetflow.core.target import Target
-
-    return Target.load(spec, dtype=resolve_dtype(dtype))
+def _load_target(args: argparse.Namespace):
+    """The target in the asked dtype, after applying ``--threads`` (OpenMP threads that share
+    two cores with other jobs spin on each other's barriers: one thread is often faster)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Target.load(args.target, dtype=resolve_dtype(args.dtype))
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    from jetflow.bench import datasets
-    from jetflow.drafters.training.corpus import corpus_dir_for
-    from jetflow.drafters.training.features import default_feature_layers
-    from jetflow.drafters.training.regenerate import regenerate, select_prompts
-
     if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1 or args.shard_size < 1:
         raise ConfigError("--n, --max-new-tokens, --batch-size and --shard-size must be positive")
     if args.source in datasets.BENCHMARK_NAMES:
@@ -82,7 +96,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         source_info = {"file": report.path.name, "recovered": report.recovered, "dropped": report.dropped}
     else:
         samples, source_info = datasets.load_dataset_samples(args.source), {}
-    target = _load_target(args.target, args.dtype)
+    target = _load_target(args)
     selection = select_prompts(
         samples,
         target.encode_prompt,
@@ -108,17 +122,15 @@ def _regenerate(args: argparse.Namespace) -> int:
     counts, timing = corpus.manifest["counts"], corpus.manifest["regeneration"]
     print(
         f"{out}: {counts['n_conversations']} conversations, {counts['n_response_tokens']} response tokens, "
-        f"{timing['wall_time_s']:.0f} s of generation, {timing['response_tokens_per_s']:.1f} response tokens/s"
+        f"{timing['wall_time_s']:.0f} s of generation, "
+        f"{timing['response_tokens_per_s']:.1f} response tokens/s"
     )
     return 0
 
 
 def _features(args: argparse.Namespace) -> int:
-    from jetflow.drafters.training.corpus import Corpus, default_corpus_dir
-    from jetflow.drafters.training.features import build_features, default_feature_layers
-
     corpus = Corpus(args.corpus or default_corpus_dir())
-    target = _load_target(args.target, args.dtype)
+    target = _load_target(args)
     layers = args.layers or default_feature_layers(target.num_layers)
     store = build_features(target, corpus, layers, token_budget=args.token_budget, show_progress=True)
     print(f"{store.folder}: features of layers {list(store.layers)} for {len(store)} sequences")
@@ -126,8 +138,6 @@ def _features(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from jetflow.drafters.training.corpus import Corpus, default_corpus_dir
-
     corpus = Corpus(args.corpus or default_corpus_dir())
     stats = corpus.stats()
     if args.json:

@@ -52,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
         drafter=args.drafter,
         architecture=head.config.model_dump(mode="json"),
         target=target_record(target, layers),
-        data=dict(getattr(store, "manifest", {}) or {}),
     )
     trainer = Trainer(config, head, FrozenTargetParts.from_target(target), store, info)
     result = trainer.fit(resume=args.resume, target=target)

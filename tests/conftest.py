@@ -20,6 +20,9 @@ from transformers import (
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models run fastest on one thread, and a second thread thrashes when the machine is
+# shared; JETFLOW_TEST_THREADS lets a quiet machine use more for the real target.
+torch.set_num_threads(int(os.environ.get("JETFLOW_TEST_THREADS", "1")))
 
 TINY_VOCAB = 256
 EOS_ID = 1

@@ -1,0 +1,261 @@
+"""The block head shared by JetFlow (causal in-block mask) and DFlash (bidirectional).
+
+One forward drafts a whole block: slot 0 holds the embedding of the anchor (the root:
+the last committed token, not yet processed by the target), slots ``1 .. B-1`` a learned
+mask-token embedding; slot ``d`` sits at absolute position ``p + d`` and predicts the token
+there, i.e. depth ``d`` of the draft. Every layer attends to the context (the fused target
+features of tokens ``0 .. p-1``, projected by that layer's own k/v projections) and to the
+block under the in-block mask. ``causal`` is the only difference between the two heads.
+
+Visibility is defined once, in :meth:`BlockHead.block_mask`, and used by both paths:
+
+* inference (:meth:`BlockHead.extend` / :meth:`BlockHead.draft`): the context keys/values
+  are cached per layer and grow by the newly processed tokens each step;
+* training (:meth:`BlockHead.forward`): many anchors per sequence in one batch; a query of
+  the block at anchor ``p`` sees context positions ``< p`` and its own block only.
+
+The generic :meth:`BlockHead.block_hidden` takes any block embeddings, positions and mask,
+which is what a path-conditioned refresh pass (actual tree tokens under the tree's ancestor
+mask) would call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from jetflow.drafters.blocks import KV, AttentionShape, DecoderLayer, FeatureFusion, Rotary, init_weights
+from jetflow.drafters.training.examples import ExampleBatch, Predictions
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from jetflow.core.target import Target
+    from jetflow.drafters.blocks import FrozenTargetParts
+
+
+def default_feature_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """``count`` layers spread evenly from 1 to ``L - 3`` (30 layers: 1, 8, 14, 20, 27)."""
+    top = max(num_layers - 3, 1)
+    if count == 1:
+        return (1,)
+    return tuple(sorted({round(1 + (top - 1) * i / (count - 1)) for i in range(count)}))
+
+
+class BlockHeadConfig(BaseModel):
+    """Architecture of a block head: everything needed to rebuild it from a checkpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden_size: int = Field(ge=1)
+    feature_layers: tuple[int, ...] = Field(min_length=1, description="1-based target layers fused")
+    num_layers: int = Field(2, ge=1, description="head decoder layers")
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=2)
+    intermediate_size: int = Field(ge=1)
+    block_size: int = Field(16, ge=2, description="anchor + mask slots; max draft depth is block_size - 1")
+    causal: bool = Field(True, description="in-block mask: causal (JetFlow) or bidirectional (DFlash)")
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    qk_norm: bool = True
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="draft over the N most frequent response tokens only; None: full vocabulary"
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> BlockHeadConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embedding)")
+        return self
+
+    @property
+    def max_depth(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def for_target(cls, target: Target, **overrides: object) -> BlockHeadConfig:
+        """Attention sizes copied from the target's config; ``overrides`` win."""
+        config = target.config
+        heads = int(config.num_attention_heads)
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        derived = {
+            "hidden_size": target.hidden_size,
+            "feature_layers": default_feature_layers(target.num_layers),
+            "num_heads": heads,
+            "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(config, "head_dim", None) or target.hidden_size // heads),
+            "intermediate_size": int(config.intermediate_size),
+            "rope_theta": float(theta),
+            "rms_norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
+        }
+        return cls.model_validate(derived | overrides)
+
+    def attention_shape(self) -> AttentionShape:
+        return AttentionShape(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            qk_norm=self.qk_norm,
+        )
+
+
+@dataclass(frozen=True)
+class ContextCache:
+    """Per-layer keys/values of the context processed so far (one sequence).
+
+    Attributes:
+        kv: one ``(keys, values)`` per head layer, each ``[1, kv_heads, c, head_dim]``.
+    """
+
+    kv: tuple[KV, ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.kv[0][0].shape[2])
+
+
+class BlockHead(nn.Module):
+    """Fusion + decoder layers + final norm + mask embedding; owns no embedding or LM head.
+
+    With ``draft_vocab_size`` it also keeps the ids of its draft vocabulary (a small integer
+    buffer saved with the weights): the rows of the target's LM head it drafts over.
+    """
+
+    def __init__(self, config: BlockHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        shape = config.attention_shape()
+        self.fusion = FeatureFusion(len(config.feature_layers), config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        #: ``[N]`` vocabulary ids of the draft vocabulary (chosen by the trainer), or None
+        self.draft_tokens: Tensor | None
+        if config.draft_vocab_size is None:
+            self.draft_tokens = None
+        else:
+            self.register_buffer("draft_tokens", torch.arange(config.draft_vocab_size))
+        init_weights(self)
+        nn.init.normal_(self.mask_embedding, std=0.02)
+
+    @property
+    def max_depth(self) -> int:
+        return self.config.max_depth
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mask_embedding.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask_embedding.device
+
+    # ------------------------------------------------------------------ shared pieces
+    def in_block_mask(self) -> Tensor:
+        """``[B, B]`` bool: lower-triangular when causal, all true when bidirectional."""
+        size = self.config.block_size
+        full = torch.ones(size, size, dtype=torch.bool, device=self.device)
+        return full.tril() if self.config.causal else full
+
+    def block_mask(self, anchors: Tensor, context_length: int) -> Tensor:
+        """Visibility of ``N`` blocks over ``[context ; blocks]``: ``[b, N*B, context_length + N*B]``.
+
+        A slot of the block at anchor ``p`` sees context positions ``< p`` (the tokens the
+        target has processed; the anchor's own features do not exist yet at decode time)
+        and, within its own block only, the slots the in-block mask allows.
+        """
+        b, n = anchors.shape
+        size = self.config.block_size
+        ctx = torch.arange(context_length, device=anchors.device) < anchors[..., None]  # [b, N, c]
+        ctx = ctx[:, :, None, :].expand(b, n, size, context_length).reshape(b, n * size, context_length)
+        same = torch.eye(n, dtype=torch.bool, device=anchors.device)
+        blocks = same[:, None, :, None] & self.in_block_mask().to(anchors.device)[None, :, None, :]
+        blocks = blocks.reshape(n * size, n * size).expand(b, -1, -1)
+        return torch.cat([ctx, blocks], dim=2)
+
+    def block_inputs(self, anchor_embeds: Tensor) -> tuple[Tensor, Tensor]:
+        """Block embeddings ``[b, N*B, H]`` and their offsets from the anchor ``[N*B]``.
+
+        ``anchor_embeds [b, N, H]``: slot 0 is the anchor, the rest the mask token.
+        """
+        b, n, hidden = anchor_embeds.shape
+        size = self.config.block_size
+        masks = self.mask_embedding.expand(b, n, size - 1, hidden)
+        block = torch.cat([anchor_embeds.to(self.dtype)[:, :, None], masks], dim=2)
+        offsets = torch.arange(size, device=anchor_embeds.device).repeat(n)
+        return block.reshape(b, n * size, hidden), offsets
+
+    def context_kv(self, features: Tensor, start: int = 0) -> tuple[KV, ...]:
+        """Per-layer keys/values of ``features [b, c, k, H]`` at positions ``start ..``."""
+        fused = self.fusion(features.to(self.dtype))
+        positions = start + torch.arange(fused.shape[1], device=fused.device)
+        rotary = self.rotary(positions.expand(fused.shape[0], -1))
+        return tuple(layer.context_kv(fused, rotary) for layer in self.layers)
+
+    def block_hidden(self, x: Tensor, positions: Tensor, context: tuple[KV, ...], mask: Tensor) -> Tensor:
+        """The generic block forward: ``x [b, q, H]`` at ``positions [b, q]`` -> normed ``[b, q, H]``.
+
+        ``mask [b, q, c + q]`` covers the ``c`` context entries of ``context`` and the block.
+        """
+        rotary = self.rotary(positions)
+        for layer, kv in zip(self.layers, context, strict=True):
+            x = layer(x, rotary, kv, mask)
+        return self.norm(x)
+
+    # ------------------------------------------------------------------ training
+    def forward(self, features: Tensor, anchor_embeds: Tensor, anchors: Tensor) -> Tensor:
+        """Many blocks per sequence at once (training).
+
+        ``features [b, T, k, H]`` (context of every position), ``anchor_embeds [b, N, H]``,
+        ``anchors [b, N]`` -> per-depth hidden states ``[b, N, D, H]`` (D = block_size - 1).
+        """
+        b, n = anchors.shape
+        size = self.config.block_size
+        context = self.context_kv(features)
+        x, offsets = self.block_inputs(anchor_embeds)
+        positions = anchors.repeat_interleave(size, dim=1) + offsets
+        hidden = self.block_hidden(x, positions, context, self.block_mask(anchors, features.shape[1]))
+        return hidden.view(b, n, size, -1)[:, :, 1:]
+
+    def training_predictions(self, batch: ExampleBatch, shared: FrozenTargetParts) -> Predictions:
+        """The trainer's head hook: hidden states of every supervised (anchor, depth) pair."""
+        anchor_embeds = shared.embed(batch.tokens.gather(1, batch.anchors))
+        hidden = self(batch.features, anchor_embeds, batch.anchors)  # [b, N, D, H]
+        valid, positions = batch.depth_targets(self.max_depth)
+        rows = torch.arange(batch.size, device=valid.device)[:, None, None].expand_as(valid)
+        depths = torch.arange(1, self.max_depth + 1, device=valid.device).expand_as(valid)
+        return Predictions(hidden[valid], rows[valid], positions[valid], depths[valid])
+
+    # ------------------------------------------------------------------ inference
+    def empty_cache(self) -> ContextCache:
+        c = self.config
+        empty = torch.zeros(1, c.num_kv_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
+        return ContextCache(tuple((empty, empty) for _ in self.layers))
+
+    def extend(self, cache: ContextCache, features: Tensor) -> ContextCache:
+        """Append newly processed tokens' ``features [n, k, H]``: only they are projected."""
+        if features.shape[0] == 0:
+            return cache
+        new = self.context_kv(features[None].to(self.device), start=cache.length)
+        return ContextCache(
+            tuple(
+                (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                for (k, v), (nk, nv) in zip(cache.kv, new, strict=True)
+            )
+        )
+
+    def draft(self, cache: ContextCache, anchor_embed: Tensor) -> Tensor:
+        """One decoding step: ``anchor_embed [H]`` at position ``cache.length`` -> ``[D, H]``."""
+        anchors = torch.tensor([[cache.length]], device=self.device)
+        x, offsets = self.block_inputs(anchor_embed.reshape(1, 1, -1))
+        mask = self.block_mask(anchors, cache.length)
+        return self.block_hidden(x, (cache.length + offsets)[None], cache.kv, mask)[0, 1:]

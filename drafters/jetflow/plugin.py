@@ -1,0 +1,174 @@
+"""``jetflow``: the causal parallel block head; one head forward per decoding step.
+
+``begin`` projects the newly processed tokens' features into the head's per-layer context
+cache and runs one block forward from the root; the session then answers ``children`` for
+any node from the per-depth distributions (top-k of depth ``d + 1`` for a node at depth
+``d``), so a policy may build a tree of any budget at no extra head cost.
+
+The checkpoint defaults to the head shipped for the target under
+``checkpoints/<target name>/`` beside the plugin module. A bidirectional variant (DFlash)
+is this class with ``causal = False``, another ``name`` and its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from jetflow.core.contracts import DraftContext, Drafter
+from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError, JetflowError
+from jetflow.core.hookspecs import hookimpl
+from jetflow.core.tree import DraftTree
+from jetflow.drafters.block_head import BlockHead, BlockHeadConfig, ContextCache
+from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
+from jetflow.drafters.training.checkpoint import load_checkpoint, load_weights
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from jetflow.core.target import Target
+
+DEFAULT_TRAIN_CONFIG = "train.toml"
+
+
+class BlockHeadParams(BaseModel):
+    """Run-time parameters of a block-head drafter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: str | None = Field(
+        None, description="checkpoint folder; default: the head shipped for the target"
+    )
+
+
+class PerDepthSession:
+    """Children of any node from one distribution per depth.
+
+    Attributes:
+        logprobs: ``[D, N]`` float32 log-probabilities of depths ``1 .. D`` over the draft
+            vocabulary (the full vocabulary unless the head drafts over a subset).
+        vocab: ``[N]`` vocabulary id of each column, or None when columns are ids.
+    """
+
+    def __init__(self, logprobs: Tensor, vocab: Tensor | None = None) -> None:
+        self.logprobs = logprobs
+        self.vocab = vocab
+        self.max_depth: int | None = int(logprobs.shape[0])
+        self._top: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def _topk(self, k: int) -> tuple[Tensor, Tensor]:
+        """Top-``k`` per depth as token ids, computed once per ``k``: ``([D, k], [D, k])``."""
+        if k not in self._top:
+            values, columns = self.logprobs.topk(min(k, self.logprobs.shape[1]), dim=1)
+            tokens = columns if self.vocab is None else self.vocab[columns]
+            if values.shape[1] < k:
+                pad = k - values.shape[1]
+                values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
+                tokens = torch.nn.functional.pad(tokens, (0, pad))
+            self._top[k] = (values, tokens)
+        return self._top[k]
+
+    def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        values, tokens = self._topk(k)
+        depths = tree.depths[nodes]  # children sit at depth + 1, i.e. row `depth`
+        rows = depths.clamp(max=values.shape[0] - 1)
+        logprobs = values[rows].masked_fill((depths >= values.shape[0])[:, None], float("-inf"))
+        return tokens[rows], logprobs
+
+
+class JetFlowDrafter(Drafter):
+    name = "jetflow"
+    description = "causal parallel block head: one forward drafts a distribution per depth"
+    Params = BlockHeadParams
+    default_tree_policy = "best-first"
+    cost_shape = "parallel"
+    #: in-block attention mask of the head this drafter trains and loads
+    causal: ClassVar[bool] = True
+
+    def __init__(self, params: BlockHeadParams, target: Target) -> None:
+        super().__init__(params, target)
+        folder = Path(params.checkpoint) if params.checkpoint else self.shipped_checkpoint(target)
+        info, state = load_checkpoint(folder, target, drafter=self.name)
+        self.head = self.head_from_architecture(info.architecture)
+        load_weights(self.head, state, folder)
+        self.head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.shared = FrozenTargetParts.from_target(target)
+        self.lm = DraftLMHead.build(self.shared.lm_head, self.head.draft_tokens)
+        self.checkpoint_info = info
+        self._cache: ContextCache = self.head.empty_cache()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def package_dir(cls) -> Path:
+        return Path(sys.modules[cls.__module__].__file__).parent
+
+    @classmethod
+    def shipped_checkpoint(cls, target: Target) -> Path:
+        """The head shipped for ``target`` (by its name), or a clear error if there is none."""
+        folder = cls.package_dir() / "checkpoints" / target.name
+        if not (folder / "config.json").is_file():
+            raise JetflowError(
+                f"no {cls.name} head is shipped for target {target.name!r}; train one with "
+                f"`jetflow train --drafter {cls.name} --config FILE` and pass "
+                f"drafter_params.checkpoint=FOLDER"
+            )
+        return folder
+
+    @classmethod
+    def default_train_config(cls) -> Path:
+        """The training recipe shipped with the drafter."""
+        return cls.package_dir() / DEFAULT_TRAIN_CONFIG
+
+    @classmethod
+    def head_from_architecture(cls, architecture: dict[str, Any]) -> BlockHead:
+        """Rebuild a head from a checkpoint's architecture record."""
+        try:
+            config = BlockHeadConfig.model_validate(architecture)
+        except ValidationError as error:
+            raise DataError(f"unreadable {cls.name} head architecture: {error.errors()[0]['msg']}") from None
+        if config.causal != cls.causal:
+            raise CheckpointMismatchError(
+                f"a {cls.name} head has causal={cls.causal}; this checkpoint has causal={config.causal}"
+            )
+        return BlockHead(config)
+
+    @classmethod
+    def new_head(cls, target: Target, options: dict[str, Any]) -> BlockHead:
+        """A freshly initialised head for ``target``; ``options`` override the derived sizes."""
+        if "causal" in options and options["causal"] != cls.causal:
+            raise ConfigError(f"the {cls.name} head is causal={cls.causal}; use the other drafter")
+        try:
+            config = BlockHeadConfig.for_target(target, **(options | {"causal": cls.causal}))
+        except ValueError as error:
+            raise ConfigError(f"invalid head options for {cls.name}: {error}") from None
+        return BlockHead(config)
+
+    # ------------------------------------------------------------------ drafting
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.config.feature_layers
+
+    def reset(self) -> None:
+        self._cache = self.head.empty_cache()
+
+    @torch.inference_mode()
+    def begin(self, context: DraftContext) -> PerDepthSession:
+        if context.features is not None:
+            self._cache = self.head.extend(self._cache, context.features.to(self.head.dtype))
+        if self._cache.length != context.n_processed or context.n_processed != context.tokens.shape[0] - 1:
+            raise RuntimeError(
+                f"{self.name} context out of step: {self._cache.length} tokens cached, the target "
+                f"processed {context.n_processed} of {context.tokens.shape[0]} (was reset() called?)"
+            )
+        root = context.tokens[-1].to(self.head.device)
+        hidden = self.head.draft(self._cache, self.shared.embed(root))  # [D, H]
+        logprobs = torch.log_softmax(self.lm.logits(hidden).float(), dim=-1)
+        vocab = None if self.lm.tokens is None else self.lm.tokens.cpu()
+        return PerDepthSession(logprobs.cpu(), vocab)
+
+
+@hookimpl
+def jetflow_drafters() -> list[type]:
+    return [JetFlowDrafter]

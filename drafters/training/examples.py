@@ -1,0 +1,196 @@
+"""Training examples: the sequence-store contract, anchor sampling and batch collation.
+
+A *sequence* is a target-regenerated conversation with the target's own hidden states:
+``tokens [T]``, the prompt length, ``features [F, k, H]`` (the selected layers' hidden
+states of tokens ``0 .. F-1``) and ``final [F, H]`` (the target's final normed hidden
+state of those tokens, so the teacher distribution of token ``t + 1`` is
+``lm_head(final[t])``). ``F`` is ``T`` or ``T - 1``.
+
+An *anchor* ``p`` is a position whose token plays the root of a decoding step: the head
+sees the features of tokens ``< p`` (what the target has processed) plus the token at
+``p``, and predicts the tokens at ``p + 1 .. p + D`` (depths ``1 .. D``). Anchors lie in
+the response: from the last prompt token (the first decoding step's root) onwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+Record = tuple[Tensor, int, Tensor, Tensor]  # tokens [T], prompt length, features [F, k, H], final [F, H]
+
+
+@runtime_checkable
+class SequenceStore(Protocol):
+    """Where the trainer reads sequences from (the feature cache, or an in-memory store)."""
+
+    def __len__(self) -> int: ...
+
+    def sequence(self, index: int) -> Record:
+        """``(tokens [T] long, prompt_length, features [F, k, H] fp16, final [F, H] fp16)``."""
+        ...
+
+
+@dataclass
+class InMemoryStore:
+    """A list of sequences held in memory: tests, small experiments.
+
+    Attributes:
+        records: the sequences.
+        layers: target layers the features were taken from.
+        manifest: what the data is (source, counts), copied into checkpoints.
+    """
+
+    records: list[Record]
+    layers: tuple[int, ...]
+    manifest: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sequence(self, index: int) -> Record:
+        return self.records[index]
+
+
+@torch.inference_mode()
+def capture_sequences(
+    model: torch.nn.Module,
+    sequences: Sequence[Tensor],
+    prompt_lengths: Sequence[int],
+    layers: tuple[int, ...],
+    manifest: dict[str, Any] | None = None,
+) -> InMemoryStore:
+    """Run ``model`` (an HF causal LM) over each sequence once and keep what training needs.
+
+    ``features[t]`` are ``hidden_states[layer][t]`` for each chosen layer and ``final[t]`` is
+    the last (normed) hidden state, exactly what the engine shows a drafter at decode time.
+    """
+    records: list[Record] = []
+    for tokens, prompt_length in zip(sequences, prompt_lengths, strict=True):
+        out = model(input_ids=tokens[None].to(model.device), output_hidden_states=True)
+        features = torch.stack([out.hidden_states[i][0] for i in layers], dim=1)
+        final = out.hidden_states[-1][0]
+        records.append((tokens.cpu(), int(prompt_length), features.half().cpu(), final.half().cpu()))
+    info = {"source": "in-memory", "n_sequences": len(records)} | (manifest or {})
+    return InMemoryStore(records, tuple(layers), info)
+
+
+def response_token_counts(store: SequenceStore, indices: Sequence[int], vocab_size: int) -> Tensor:
+    """How often each token occurs in the responses of ``indices``: ``[vocab_size]`` long."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for index in indices:
+        tokens, prompt_length, _, _ = store.sequence(index)
+        counts += torch.bincount(tokens[prompt_length:].long(), minlength=vocab_size)
+    return counts
+
+
+def anchor_bounds(prompt_length: int, length: int, n_features: int) -> tuple[int, int]:
+    """Inclusive range ``(lo, hi)`` of anchors that supervise at least depth 1 (empty if lo > hi).
+
+    Depth 1 of anchor ``p`` needs the token at ``p + 1`` and the teacher state ``final[p]``.
+    """
+    return max(prompt_length - 1, 0), min(length - 2, n_features - 1)
+
+
+def sample_anchors(
+    prompt_length: int, length: int, n_features: int, count: int, generator: torch.Generator
+) -> Tensor:
+    """Up to ``count`` distinct anchors drawn uniformly from the response, sorted: ``[<= count]``."""
+    lo, hi = anchor_bounds(prompt_length, length, n_features)
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long)
+    picked = torch.randperm(hi - lo + 1, generator=generator)[:count] + lo
+    return picked.sort().values
+
+
+@dataclass
+class ExampleBatch:
+    """Sequences padded into one batch, with their anchors.
+
+    Attributes:
+        tokens: ``[b, T]`` long, zero padded.
+        lengths: ``[b]`` tokens per sequence.
+        features: ``[b, F, k, H]`` float, zero padded.
+        feature_lengths: ``[b]`` feature rows per sequence.
+        final: ``[b, F, H]`` float, zero padded.
+        anchors: ``[b, N]`` long (padding anchors are 0).
+        anchor_valid: ``[b, N]`` bool.
+    """
+
+    tokens: Tensor
+    lengths: Tensor
+    features: Tensor
+    feature_lengths: Tensor
+    final: Tensor
+    anchors: Tensor
+    anchor_valid: Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def depth_targets(self, max_depth: int) -> tuple[Tensor, Tensor]:
+        """Which (anchor, depth) pairs are supervised and the position each predicts.
+
+        Returns ``(valid [b, N, D] bool, positions [b, N, D] long)`` with
+        ``positions = anchor + depth``; valid when the token there exists, the teacher
+        state before it exists, and the anchor is real.
+        """
+        depths = torch.arange(1, max_depth + 1)
+        positions = self.anchors[..., None] + depths  # [b, N, D]
+        valid = (
+            self.anchor_valid[..., None]
+            & (positions < self.lengths[:, None, None])
+            & (positions <= self.feature_lengths[:, None, None])
+        )
+        return valid, positions
+
+    def to(self, device: torch.device | str) -> ExampleBatch:
+        return ExampleBatch(**{name: value.to(device) for name, value in vars(self).items()})
+
+
+def collate(records: Sequence[Record], anchors: Sequence[Tensor], dtype: torch.dtype) -> ExampleBatch:
+    """Pad ``records`` and their ``anchors`` (``[n_i]`` each) into one :class:`ExampleBatch`."""
+    b = len(records)
+    length = max(int(r[0].shape[0]) for r in records)
+    n_feat = max(int(r[2].shape[0]) for r in records)
+    k, hidden = records[0][2].shape[1:]
+    n_anchors = max(max((int(a.shape[0]) for a in anchors), default=0), 1)
+    batch = ExampleBatch(
+        tokens=torch.zeros(b, length, dtype=torch.long),
+        lengths=torch.tensor([int(r[0].shape[0]) for r in records]),
+        features=torch.zeros(b, n_feat, k, hidden, dtype=dtype),
+        feature_lengths=torch.tensor([int(r[2].shape[0]) for r in records]),
+        final=torch.zeros(b, n_feat, hidden, dtype=dtype),
+        anchors=torch.zeros(b, n_anchors, dtype=torch.long),
+        anchor_valid=torch.zeros(b, n_anchors, dtype=torch.bool),
+    )
+    for row, ((tokens, _, features, final), picked) in enumerate(zip(records, anchors, strict=True)):
+        batch.tokens[row, : tokens.shape[0]] = tokens
+        batch.features[row, : features.shape[0]] = features.to(dtype)
+        batch.final[row, : final.shape[0]] = final.to(dtype)
+        batch.anchors[row, : picked.shape[0]] = picked
+        batch.anchor_valid[row, : picked.shape[0]] = True
+    return batch
+
+
+@dataclass
+class Predictions:
+    """What a head predicts for one batch, flattened over supervised (anchor, depth) pairs.
+
+    Attributes:
+        hidden: ``[M, H]`` head output before the shared LM head (already normed).
+        rows: ``[M]`` batch row of each prediction.
+        positions: ``[M]`` sequence position of the predicted token (label
+            ``tokens[row, position]``, teacher ``final[row, position - 1]``).
+        depths: ``[M]`` draft depth, 1-based (for per-depth weights and metrics).
+    """
+
+    hidden: Tensor
+    rows: Tensor
+    positions: Tensor
+    depths: Tensor

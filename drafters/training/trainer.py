@@ -1,0 +1,495 @@
+"""One trainer for every learned draft head.
+
+A head plugs in through :class:`TrainableHead` (a module with ``config``, ``max_depth`` and
+``training_predictions(batch, shared) -> Predictions``) and an optional per-position loss
+hook; everything else is shared: random anchors per sequence, the teacher distribution
+from the target's frozen LM head over its cached final hidden states (restricted to the
+head's draft vocabulary when it has one, chosen here from response-token frequencies,
+which cuts the LM-head cost that dominates training on a CPU), forward-KL / SFT /
+reverse-KL with per-depth weights, AdamW with warm-up and cosine decay, gradient clipping,
+periodic checkpoints with exact resume, a held-out split with per-depth top-1 agreement
+with the target, a progress bar and a JSON-lines loss log.
+
+Output folder::
+
+    train_log.jsonl                      one record per logged step and per evaluation
+    checkpoints/step-0000500/            fp32 weights + config.json + trainer.pt (resume state)
+    final/                               the shippable head (``ship_dtype``) + config.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from jetflow.core.config import build_config, load_toml
+from jetflow.core.errors import CheckpointMismatchError, ConfigError
+from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
+from jetflow.drafters.training.checkpoint import (
+    CheckpointInfo,
+    check_target,
+    read_checkpoint,
+    save_checkpoint,
+)
+from jetflow.drafters.training.examples import (
+    ExampleBatch,
+    Predictions,
+    SequenceStore,
+    collate,
+    response_token_counts,
+    sample_anchors,
+)
+from jetflow.drafters.training.losses import LossConfig, depth_weights, position_losses
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[LossConfig, Tensor, Tensor | None, Tensor], Tensor]
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimConfig(_Frozen):
+    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
+
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(50, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class TrainConfig(_Frozen):
+    """Everything that decides one training run (``jetflow train --config FILE``)."""
+
+    drafter: str = Field("jetflow", description="drafter plugin whose head is trained")
+    target: str = Field("default", description="target spec, as for `jetflow generate`")
+    corpus: str | None = Field(None, description="corpus folder; default: the default target's corpus")
+    features: str | None = Field(None, description="feature cache folder; default: the corpus's cache")
+    out: str = Field("runs/train", description="output folder: log, checkpoints, final head")
+    head: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters (drafter's own)")
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    steps: int = Field(1000, ge=1)
+    batch_sequences: int = Field(4, ge=1, description="sequences per optimiser step")
+    anchors_per_sequence: int = Field(64, ge=1, description="random anchors drawn per sequence")
+    holdout_sequences: int = Field(32, ge=0, description="sequences held out for evaluation")
+    eval_every: int = Field(100, ge=1)
+    checkpoint_every: int = Field(250, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+    loss_chunk_rows: int = Field(1024, ge=1, description="rows per LM-head chunk (bounds memory)")
+    seed: int = 0
+    ship_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """Read a TOML file; non-``None`` ``overrides`` (CLI flags) win."""
+        data = load_toml(path) | {key: value for key, value in overrides.items() if value is not None}
+        return build_config(cls, data)
+
+
+class TrainableHead(Protocol):
+    """What the trainer needs from a head module."""
+
+    config: BaseModel  # hyper-parameters, saved as the checkpoint's architecture
+    max_depth: int
+    draft_tokens: Tensor | None  # [N] draft-vocabulary ids (the trainer fills them), or None
+
+    def training_predictions(self, batch: ExampleBatch, shared: FrozenTargetParts) -> Predictions: ...
+
+
+class TrainableDrafter(Protocol):
+    """What a drafter plugin class offers the trainer: a fresh head for a target."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def new_head(cls, target: Any, options: dict[str, Any]) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports."""
+
+    steps: int
+    wall_s: float
+    positions_per_s: float
+    final_checkpoint: Path
+    evaluation: dict[str, Any]
+
+
+def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = min((step - config.warmup_steps) / max(total_steps - config.warmup_steps, 1), 1.0)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Trains one head on one sequence store; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        head: nn.Module,
+        shared: FrozenTargetParts,
+        store: SequenceStore,
+        info: CheckpointInfo,
+        out: str | Path | None = None,
+        progress: bool = True,
+        loss_fn: LossFn = position_losses,
+    ) -> None:
+        self.config = config
+        self.head = head
+        self.shared = shared
+        self.store = store
+        self.info = info
+        head.to(shared.lm_head.weight.device)
+        self.out = Path(out or config.out)
+        self.progress = progress
+        self.loss_fn = loss_fn
+        self._check_layers()
+        self.train_ids, self.eval_ids = self._split()
+        self.vocab_size = int(shared.lm_head.weight.shape[0])
+        self.vocab_summary = self._choose_draft_vocab()
+        self.lm = DraftLMHead.build(shared.lm_head, getattr(head, "draft_tokens", None))
+        decay = [p for p in head.parameters() if p.ndim >= 2]
+        no_decay = [p for p in head.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": config.optim.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=config.optim.lr,
+            betas=config.optim.betas,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, config.optim, config.steps)
+        )
+        self.step = 0
+        self._epoch_order: tuple[int, Tensor] | None = None  # (epoch, permutation of train_ids)
+
+    # ------------------------------------------------------------------ setup
+    def _check_layers(self) -> None:
+        layers = tuple(getattr(self.store, "layers", ()) or ())
+        wanted = tuple(self.info.target.get("feature_layers", ()))
+        if layers and wanted and layers != wanted:
+            raise ConfigError(
+                f"the feature cache holds layers {list(layers)}, but the head reads {list(wanted)}"
+            )
+
+    def _split(self) -> tuple[Tensor, Tensor]:
+        """A fixed held-out set (independent of the training seed) and the rest for training."""
+        n = len(self.store)
+        holdout = min(self.config.holdout_sequences, n // 2)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(1234))
+        if n - holdout < 1:
+            raise ConfigError(f"the data has {n} sequences: too few to train on")
+        return order[holdout:], order[:holdout]
+
+    def _choose_draft_vocab(self) -> dict[str, Any]:
+        """Fill the head's draft vocabulary with the most frequent training-response tokens.
+
+        Returns what is recorded in the checkpoint: its size and the share of training
+        response tokens it covers (the ceiling of any draft's per-token agreement).
+        """
+        tokens = getattr(self.head, "draft_tokens", None)
+        if tokens is None:
+            return {}
+        size = int(tokens.shape[0])
+        if size >= self.vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size {size} must be below the target's vocabulary ({self.vocab_size})"
+            )
+        counts = response_token_counts(self.store, self.train_ids.tolist(), self.vocab_size)
+        chosen = torch.sort(counts, descending=True, stable=True).indices[:size]
+        with torch.no_grad():
+            tokens.copy_(chosen.sort().values)
+        coverage = float(counts[chosen].sum() / counts.sum().clamp(min=1))
+        log.info("draft vocabulary: %d tokens cover %.2f%% of training responses", size, 100 * coverage)
+        return {"draft_vocab_size": size, "draft_vocab_coverage": round(coverage, 5)}
+
+    # ------------------------------------------------------------------ data
+    def _sequence_ids(self, step: int) -> list[int]:
+        """The sequences of ``step``: consecutive slices of per-epoch permutations (resumable)."""
+        n, size = len(self.train_ids), self.config.batch_sequences
+        ids = []
+        for slot in range(step * size, (step + 1) * size):
+            epoch, offset = divmod(slot, n)
+            if self._epoch_order is None or self._epoch_order[0] != epoch:
+                generator = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
+                self._epoch_order = (epoch, torch.randperm(n, generator=generator))
+            ids.append(int(self.train_ids[self._epoch_order[1][offset]]))
+        return ids
+
+    def _batch(self, ids: list[int], generator: torch.Generator) -> ExampleBatch:
+        records = [self.store.sequence(i) for i in ids]
+        anchors = [
+            sample_anchors(
+                prompt, tokens.shape[0], features.shape[0], self.config.anchors_per_sequence, generator
+            )
+            for tokens, prompt, features, _ in records
+        ]
+        return collate(records, anchors, dtype=torch.float32).to(self.shared.lm_head.weight.device)
+
+    # ------------------------------------------------------------------ loss
+    def _teacher_logprobs(
+        self, batch: ExampleBatch, preds: Predictions, temperature: float
+    ) -> tuple[Tensor, Tensor]:
+        """Teacher log-probs over the draft vocabulary, once per distinct position.
+
+        Returns ``([U, N], inverse [M])``; restricted to a draft vocabulary, the softmax is
+        the target's distribution renormalised onto it.
+        """
+        unique, inverse = self._teacher_positions(batch, preds)
+        with torch.no_grad():
+            logits = self.lm.logits(batch.final.flatten(0, 1)[unique]).float()
+            return F.log_softmax(logits / temperature, dim=-1), inverse
+
+    @staticmethod
+    def _teacher_positions(batch: ExampleBatch, preds: Predictions) -> tuple[Tensor, Tensor]:
+        """Distinct flat rows of ``batch.final`` that teach the predictions: ``([U], inverse [M])``."""
+        flat = preds.rows * batch.final.shape[1] + preds.positions - 1
+        return torch.unique(flat, return_inverse=True)
+
+    def _loss(self, batch: ExampleBatch, preds: Predictions) -> Tensor:
+        """Weighted mean loss over predictions, the LM head applied in checkpointed chunks."""
+        cfg = self.config.loss
+        labels = self.lm.columns(batch.tokens[preds.rows, preds.positions], self.vocab_size)
+        teacher, inverse = (None, None)
+        if cfg.needs_teacher:
+            teacher, inverse = self._teacher_logprobs(batch, preds, cfg.temperature)
+        weights = depth_weights(preds.depths, cfg.depth_decay)
+        if cfg.kind == "sft" and cfg.sft_labels == "tokens":
+            weights = weights * (labels >= 0)  # a token outside the draft vocabulary teaches nothing
+            labels = labels.clamp(min=0)
+
+        def chunk_loss(hidden: Tensor, teacher_rows: Tensor | None, chunk_labels: Tensor) -> Tensor:
+            return self.loss_fn(cfg, self.lm.logits(hidden), teacher_rows, chunk_labels)
+
+        rows, total = preds.hidden.shape[0], preds.hidden.new_zeros((), dtype=torch.float32)
+        step = self.config.loss_chunk_rows
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            teacher_rows = None if teacher is None else teacher[inverse[part]]
+            args = (preds.hidden[part], teacher_rows, labels[part])
+            losses = checkpoint(chunk_loss, *args, use_reentrant=False) if rows > step else chunk_loss(*args)
+            total = total + (losses * weights[part]).sum()
+        return total / weights.sum().clamp(min=1e-9)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out loss, per-depth top-1 agreement with the target and chain acceptance.
+
+        ``chain_accept`` is the mean number of leading depths whose top-1 equals the
+        target's: the drafted tokens a greedy chain would get accepted per step.
+        """
+        if len(self.eval_ids) == 0:
+            return {}
+        self.head.eval()
+        depth = self.head.max_depth
+        agree = torch.zeros(depth)
+        count = torch.zeros(depth)
+        loss_sum, accepted, n_anchors = 0.0, 0.0, 0
+        generator = torch.Generator().manual_seed(4321)
+        size = self.config.batch_sequences
+        for start in range(0, len(self.eval_ids), size):
+            batch = self._batch([int(i) for i in self.eval_ids[start : start + size]], generator)
+            preds = self.head.training_predictions(batch, self.shared)
+            if preds.hidden.shape[0] == 0:
+                continue
+            loss_sum += float(self._loss(batch, preds)) * preds.hidden.shape[0]
+            hits = self.top1_hits(batch, preds).cpu()
+            depths = preds.depths.cpu() - 1
+            agree += torch.bincount(depths, weights=hits.float(), minlength=depth)
+            count += torch.bincount(depths, minlength=depth).float()
+            runs = accepted_lengths(preds, hits, depth)
+            accepted += float(runs.sum())
+            n_anchors += int(runs.shape[0])
+        self.head.train()
+        total = float(count.sum())
+        return {
+            "eval_loss": loss_sum / max(total, 1.0),
+            "agreement": [round(float(a / c), 4) if c else None for a, c in zip(agree, count, strict=True)],
+            "chain_accept": accepted / max(n_anchors, 1),
+        }
+
+    @torch.no_grad()
+    def top1_hits(self, batch: ExampleBatch, preds: Predictions) -> Tensor:
+        """``[M]`` bool: the head's top-1 draft token equals the target's greedy token."""
+        unique, inverse = self._teacher_positions(batch, preds)
+        target_top = self.shared.logits(batch.final.flatten(0, 1)[unique]).argmax(-1)  # full vocabulary
+        drafted = torch.cat(
+            [
+                self.lm.token_ids(self.lm.logits(preds.hidden[part]).argmax(-1))
+                for part in _chunks(preds.hidden.shape[0], self.config.loss_chunk_rows)
+            ]
+        )
+        return drafted == target_top[inverse]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_dir(self, step: int) -> Path:
+        return self.out / "checkpoints" / f"step-{step:07d}"
+
+    def _info(self, **state: Any) -> CheckpointInfo:
+        """The checkpoint description: ``info`` plus the recipe, the data summary and progress."""
+        data = self.info.data or dict(getattr(self.store, "manifest", None) or {})
+        data = data | {"train_sequences": len(self.train_ids), "holdout_sequences": len(self.eval_ids)}
+        data = data | self.vocab_summary
+        recipe = self.config.model_dump(mode="json")
+        return replace(self.info, recipe=recipe, data=data, state={"step": self.step, **state})
+
+    def save(self) -> Path:
+        """A resumable checkpoint of the current step; old ones beyond ``keep_checkpoints`` go."""
+        folder = save_checkpoint(self._checkpoint_dir(self.step), self.head, self._info())
+        torch.save(
+            {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            },
+            folder / "trainer.pt",
+        )
+        for old in self._checkpoints()[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+    def _checkpoints(self) -> list[Path]:
+        root = self.out / "checkpoints"
+        found = [
+            p for p in root.glob("step-*") if (p / "trainer.pt").is_file() and (p / "config.json").is_file()
+        ]
+        return sorted(found)
+
+    def resume(self, target=None) -> bool:
+        """Restore the latest checkpoint under ``out``; false if there is none."""
+        found = self._checkpoints()
+        if not found:
+            return False
+        folder = found[-1]
+        info, state = read_checkpoint(folder)
+        if target is not None:
+            check_target(info, target, source=f"checkpoint {folder}", drafter=self.info.drafter)
+        if info.architecture != self.info.architecture:
+            raise CheckpointMismatchError(
+                f"cannot resume from {folder}: it was started with head {info.architecture}, "
+                f"this run asks for {self.info.architecture}"
+            )
+        self.head.load_state_dict(state)
+        self.lm = DraftLMHead.build(self.shared.lm_head, getattr(self.head, "draft_tokens", None))
+        saved = torch.load(folder / "trainer.pt", weights_only=True)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.step = int(saved["step"])
+        self._trim_log(self.step)
+        log.info("resumed from %s (step %d)", folder, self.step)
+        return True
+
+    # ------------------------------------------------------------------ log
+    def _log(self, record: dict[str, Any]) -> None:
+        with open(self.out / "train_log.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _trim_log(self, step: int) -> None:
+        """Drop log records written after ``step`` by the interrupted run."""
+        path = self.out / "train_log.jsonl"
+        if path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self) -> dict[str, float]:
+        """One optimiser step on the batch of ``self.step``; returns its statistics."""
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
+        batch = self._batch(self._sequence_ids(self.step), generator)
+        preds = self.head.training_predictions(batch, self.shared)
+        loss = self._loss(batch, preds)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {
+            "loss": float(loss.detach()),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "positions": preds.hidden.shape[0],
+        }
+
+    def fit(self, resume: bool = False, target=None) -> TrainResult:
+        """Train to ``config.steps``, evaluating, logging and checkpointing on the way."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.resume(target)
+        elif (self.out / "train_log.jsonl").exists():
+            (self.out / "train_log.jsonl").unlink()
+        cfg = self.config
+        self.head.train()
+        start, positions = time.perf_counter(), 0
+        evaluation: dict[str, Any] = {}
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not self.progress, unit="step")
+        while self.step < cfg.steps:
+            stats = self.train_step()
+            positions += stats["positions"]
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.1e}")
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                self._log({"step": self.step, **stats, "elapsed_s": round(time.perf_counter() - start, 2)})
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                evaluation = self.evaluate()
+                self._log({"step": self.step, "eval": True, **evaluation})
+                log.info("step %d: %s", self.step, evaluation)
+            if self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
+                self.save()
+        bar.close()
+        wall = time.perf_counter() - start
+        if not evaluation:
+            evaluation = self.evaluate()
+        final = save_checkpoint(
+            self.out / "final",
+            self.head,
+            self._info(**evaluation, wall_s=round(wall, 1)),
+            _DTYPES[cfg.ship_dtype],
+        )
+        self.save()
+        return TrainResult(self.step, wall, positions / max(wall, 1e-9), final, evaluation)
+
+
+def _chunks(rows: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, rows, size)]
+
+
+def accepted_lengths(preds: Predictions, hits: Tensor, max_depth: int) -> Tensor:
+    """Per anchor, how many leading depths agree with the target: ``[A]``, ordered by (row, anchor).
+
+    This is exactly what greedy verification of the head's top-1 chain from that root
+    accepts: while every earlier depth agreed, the drafted prefix is the true one.
+    """
+    rows, depths = preds.rows.cpu(), preds.depths.cpu()
+    anchors = preds.positions.cpu() - depths
+    keys = rows * (int(anchors.max()) + 1) + anchors
+    unique, index = torch.unique(keys, return_inverse=True)
+    dense = torch.zeros(unique.shape[0], max_depth, dtype=torch.bool)
+    dense[index, depths - 1] = hits.cpu()
+    return dense.to(torch.long).cumprod(dim=1).sum(dim=1)

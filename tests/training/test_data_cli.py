@@ -1,0 +1,61 @@
+"""``jetflow data`` end to end on a tiny target: regenerate (resumable), features, stats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from jetflow.cli import data as data_cli
+from jetflow.cli.main import main
+from jetflow.drafters.training.corpus import Corpus
+from jetflow.drafters.training.features import FeatureStore
+
+from tests.conftest import make_tiny_target
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Route ``Target.load`` to a tiny target and the benchmark texts to one known prompt."""
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
+    target = make_tiny_target("llama", seed=7)
+    target.tokenizer.chat_template = CHAT_TEMPLATE
+    monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
+    monkeypatch.setattr(data_cli.datasets, "benchmark_prompt_texts", lambda: {"w5 w6 w7"})
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ["w1 w2 w3", "w5  w6 w7", "w1 w2 w3", " ".join(["w9"] * 40), "w4 w8", "w10 w11 w12 w13"]
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    threads = torch.get_num_threads()
+    yield target, prompts
+    torch.set_num_threads(threads)  # the commands ran with --threads 1
+
+
+def test_regenerate_features_and_stats(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target, prompts = tiny
+    out = tmp_path / "corpus"
+    common = ["--source", f"file:{prompts}", "--max-new-tokens", "6", "--max-prompt-tokens", "20"]
+    common += ["--threads", "1"]
+    assert main(["data", "regenerate", *common, "--n", "2", "--shard-size", "1", "--out", str(out)]) == 0
+    assert main(["data", "regenerate", *common, "--n", "5", "--shard-size", "1", "--out", str(out)]) == 0
+    corpus = Corpus(out)
+    assert corpus.ids == ["1", "5", "6"], "benchmark text, repeat and long prompt are skipped"
+    skipped = corpus.manifest["selection"]["skipped"]
+    assert skipped == {"benchmark_overlap": ["2"], "duplicate_prompt": ["3"], "prompt_too_long": ["4"]}
+    assert len(corpus.manifest["shards"]) == 3, "the second run added one shard per new conversation"
+
+    layers = "1,2"
+    assert main(["data", "features", "--corpus", str(out), "--layers", layers, "--threads", "1"]) == 0
+    assert len(FeatureStore(corpus, (1, 2))) == 3
+    capsys.readouterr()
+    assert main(["data", "stats", "--corpus", str(out), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["source"] == f"file:{prompts}" and stats["target"] == target.name
+    assert stats["n_conversations"] == 3 and stats["n_response_tokens"] > 0
+
+
+def test_benchmark_sources_are_refused(tiny, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["data", "regenerate", "--source", "humaneval", "--n", "1"]) == 2
+    assert "benchmark" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""The shared trainer on a tiny random target: it learns, logs, checkpoints and resumes exactly."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from jetflow.core.errors import CheckpointMismatchError, ConfigError
+from jetflow.drafters.training.checkpoint import load_checkpoint, read_checkpoint
+from jetflow.drafters.training.trainer import OptimConfig, TrainConfig, lr_factor
+
+from tests.drafters.tiny_heads import quick_trainer, tiny_head
+
+
+def test_training_lowers_the_loss_and_raises_per_depth_agreement(tiny_llama, tmp_path) -> None:
+    trainer = quick_trainer(tiny_llama, tmp_path, steps=40, eval_every=20)
+    before = trainer.evaluate()
+    result = trainer.fit()
+    after = result.evaluation
+    assert after["eval_loss"] < 0.6 * before["eval_loss"]
+    assert len(after["agreement"]) == 5
+    assert sum(after["agreement"]) / 5 > sum(before["agreement"]) / 5 + 0.1
+    assert after["agreement"][0] > before["agreement"][0] + 0.1
+    assert after["chain_accept"] > before["chain_accept"]
+
+    records = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if r.get("eval")] == [20, 40]
+    assert sum(losses[-2:]) < sum(losses[:2])
+    info, state = load_checkpoint(result.final_checkpoint, tiny_llama, drafter="jetflow")
+    assert all(t.dtype == torch.float16 for t in state.values())
+    assert info.state["step"] == 40 and info.state["agreement"] == after["agreement"]
+    assert info.recipe["loss"]["kind"] == "forward-kl" and info.data["source"] == "tiny-greedy"
+
+
+@pytest.mark.parametrize("kind", ["sft", "reverse-kl"])
+def test_every_loss_trains(tiny_llama, tmp_path, kind: str) -> None:
+    trainer = quick_trainer(tiny_llama, tmp_path, steps=12, loss={"kind": kind, "depth_decay": 4.0})
+    before = trainer.evaluate()["eval_loss"]
+    assert trainer.fit().evaluation["eval_loss"] < before
+
+
+def test_a_draft_vocabulary_is_chosen_from_response_frequencies(tiny_llama, tmp_path) -> None:
+    from jetflow.drafters.training.examples import response_token_counts
+
+    trainer = quick_trainer(tiny_llama, tmp_path, head=tiny_head(tiny_llama, draft_vocab_size=32), steps=20)
+    counts = response_token_counts(trainer.store, trainer.train_ids.tolist(), 256)
+    chosen = trainer.head.draft_tokens
+    assert torch.equal(chosen, chosen.sort().values) and chosen.unique().numel() == 32
+    assert counts[chosen].min() >= counts[torch.isin(torch.arange(256), chosen, invert=True)].max()
+    before = trainer.evaluate()
+    result = trainer.fit()
+    assert result.evaluation["eval_loss"] < before["eval_loss"]
+    assert sum(result.evaluation["agreement"]) > sum(before["agreement"])
+    info, state = read_checkpoint(result.final_checkpoint)
+    assert torch.equal(state["draft_tokens"], chosen)
+    assert info.data["draft_vocab_size"] == 32 and 0 < info.data["draft_vocab_coverage"] <= 1
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tiny_llama, tmp_path) -> None:
+    whole = quick_trainer(tiny_llama, tmp_path / "whole", steps=8, checkpoint_every=4)
+    whole.fit()
+
+    interrupted = quick_trainer(tiny_llama, tmp_path / "split", steps=8, checkpoint_every=4)
+    interrupted.out.mkdir(parents=True)
+    for _ in range(4):
+        interrupted.train_step()
+    interrupted.save()
+    interrupted.train_step()  # lost: the run dies before its next checkpoint
+
+    resumed = quick_trainer(tiny_llama, tmp_path / "split", head=tiny_head(tiny_llama, seed=5), steps=8)
+    resumed.fit(resume=True, target=tiny_llama)
+    assert resumed.step == 8
+    for name, tensor in whole.head.state_dict().items():
+        torch.testing.assert_close(resumed.head.state_dict()[name], tensor, atol=1e-6, rtol=1e-5)
+    steps = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir())
+    assert steps == ["step-0000004", "step-0000008"]
+    _, final = read_checkpoint(tmp_path / "split" / "final")
+    assert final.keys() == whole.head.state_dict().keys()
+
+
+def test_resume_refuses_a_run_with_another_head(tiny_llama, tmp_path) -> None:
+    first = quick_trainer(tiny_llama, tmp_path, steps=2, checkpoint_every=1)
+    first.fit()
+    other = quick_trainer(tiny_llama, tmp_path, head=tiny_head(tiny_llama, num_layers=2), steps=4)
+    with pytest.raises(CheckpointMismatchError, match="cannot resume"):
+        other.fit(resume=True)
+
+
+def test_learning_rate_warms_up_then_decays_by_cosine() -> None:
+    config = OptimConfig(warmup_steps=10, min_lr_ratio=0.1)
+    factors = [lr_factor(step, config, total_steps=110) for step in range(110)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[10] == pytest.approx(1.0) and factors[60] == pytest.approx(0.55)
+    assert factors[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in itertools.pairwise(factors[10:]))
+
+
+def test_a_store_of_other_layers_is_refused(tiny_llama, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"holds layers \[1, 2, 3\], but the head reads \[1, 2\]"):
+        quick_trainer(tiny_llama, tmp_path, head=tiny_head(tiny_llama, feature_layers=(1, 2)))
+
+
+def test_train_config_loads_from_toml(tmp_path) -> None:
+    path = tmp_path / "train.toml"
+    path.write_text('steps = 7\n[loss]\nkind = "sft"\n[optim]\nlr = 1e-3\n[head]\nnum_layers = 1\n')
+    config = TrainConfig.from_toml(path, out="elsewhere", features=None)
+    assert (config.steps, config.loss.kind, config.optim.lr, config.head, config.out) == (
+        7,
+        "sft",
+        1e-3,
+        {"num_layers": 1},
+        "elsewhere",
+    )
+    path.write_text("stepz = 7\n")
+    with pytest.raises(ConfigError, match="stepz"):
+        TrainConfig.from_toml(path)

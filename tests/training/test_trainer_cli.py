@@ -1,0 +1,52 @@
+"""``jetflow train``: the command wires config, drafter, target, store and trainer together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jetflow.cli import main as cli
+from jetflow.cli import train as train_cli
+from jetflow.core.target import Target
+from jetflow.drafters.jetflow.plugin import JetFlowDrafter
+from jetflow.drafters.training.checkpoint import load_checkpoint
+
+from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
+
+
+@pytest.fixture
+def tiny_world(tiny_llama, monkeypatch):
+    """`Target.load` gives the tiny target and the feature cache is the in-memory miniature corpus."""
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: tiny_llama))
+    monkeypatch.setattr(train_cli, "_open_store", lambda *a, **k: regenerated_store(tiny_llama))
+    with jetflow_registered():
+        yield
+
+
+def test_train_command_trains_and_ships_a_head(tiny_world, tiny_llama, tmp_path, capsys) -> None:
+    config = tmp_path / "train.toml"
+    config.write_text(
+        "steps = 6\nbatch_sequences = 2\nanchors_per_sequence = 8\nholdout_sequences = 4\n"
+        "[head]\nnum_layers = 1\nblock_size = 4\nfeature_layers = [1, 2, 3]\n"
+    )
+    code = cli.main(
+        ["train", "--drafter", "jetflow", "--config", str(config), "--out", str(tmp_path / "run"), "--json"]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 6 and len(summary["agreement"]) == 3
+    info, _ = load_checkpoint(summary["checkpoint"], tiny_llama, drafter="jetflow")
+    assert info.architecture["causal"] is True and info.architecture["block_size"] == 4
+
+
+def test_a_drafter_without_a_head_cannot_be_trained(tiny_world, tmp_path, capsys) -> None:
+    (tmp_path / "t.toml").write_text("steps = 1\n")
+    assert cli.main(["train", "--drafter", "no-such", "--config", str(tmp_path / "t.toml")]) == 2
+    assert "unknown drafter 'no-such'" in capsys.readouterr().err
+
+
+def test_the_shipped_recipe_is_a_valid_config() -> None:
+    from jetflow.drafters.training.trainer import TrainConfig
+
+    config = TrainConfig.from_toml(JetFlowDrafter.default_train_config())
+    assert config.drafter == "jetflow" and config.loss.kind == "forward-kl"
