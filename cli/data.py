@@ -11,8 +11,9 @@ from jetflow.bench import datasets
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
+from jetflow.drafters.block_head import default_feature_layers
 from jetflow.drafters.training.corpus import Corpus, corpus_dir_for, default_corpus_dir
-from jetflow.drafters.training.features import build_features, default_feature_layers
+from jetflow.drafters.training.features import build_features
 from jetflow.drafters.training.regenerate import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_PROMPT_TOKENS,

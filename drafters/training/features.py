@@ -37,14 +37,6 @@ MANIFEST_NAME = "manifest.json"
 FEATURE_DTYPE = torch.float16
 
 
-def default_feature_layers(num_layers: int, k: int = 5) -> tuple[int, ...]:
-    """``k`` layers spread evenly from 1 to ``L - 3`` (JetFlow's recipe: 1, 8, 14, 20, 27 for 30).
-
-    Shallow models get fewer, distinct layers (a 4-layer test model: just layer 1).
-    """
-    return tuple(sorted({int(x) for x in np.rint(np.linspace(1, max(num_layers - 3, 1), k))}))
-
-
 def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
     """Validate 1-based decoder-layer ids (``hidden_states[i]`` of a transformers model).
 

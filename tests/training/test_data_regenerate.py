@@ -9,9 +9,10 @@ import pytest
 import torch
 from jetflow.core.errors import DataError
 from jetflow.core.target import Target
+from jetflow.drafters.block_head import default_feature_layers
 from jetflow.drafters.training import regenerate as regen
 from jetflow.drafters.training.corpus import Corpus
-from jetflow.drafters.training.features import FeatureStore, build_features, default_feature_layers
+from jetflow.drafters.training.features import FeatureStore, build_features
 from jetflow.drafters.training.slab_cache import SlabLayer
 
 from tests.conftest import make_tiny_target
