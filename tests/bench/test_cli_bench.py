@@ -24,7 +24,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--drafters", "ngram,nope"], "unknown drafter 'nope'; known drafters: ngram"),
+        (["--drafters", "ngram,nope"], "unknown drafter 'nope'; known drafters: "),
         (["--drafters", "ngram:zigzag"], "unknown tree policy 'zigzag'"),
         (["--datasets", "champ,gsm8k"], "unknown dataset 'gsm8k'"),
         (["--budgets", "8,x"], "budgets"),
