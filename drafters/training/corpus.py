@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from jetflow.core.errors import DataError
-from jetflow.core.target import _DEFAULT_NAME as DEFAULT_TARGET_NAME
+from jetflow.core.target import DEFAULT_TARGET_NAME
 from jetflow.drafters.training.atomic import atomic_path, remove_staging_files, write_json_atomic
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
