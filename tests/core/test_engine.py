@@ -102,19 +102,24 @@ def test_max_new_tokens_is_exact_even_mid_path(tiny_llama: Target) -> None:
         assert result.token_ids == expected[:limit]
 
 
+def _perfect_chain_engine(target: Target, reference: list[int], **fields) -> Engine:
+    """An engine whose oracle always drafts the true continuation as a chain of 8."""
+    return _engine(
+        target,
+        drafter="test-oracle",
+        drafter_params={"reference": reference, "hit_rate": 1.0},
+        tree={"policy": "chain", "budget": 8},
+        **fields,
+    )
+
+
 def test_eos_inside_an_accepted_path_ends_generation_there(tiny_llama: Target) -> None:
     prompt = [9, 10, 11]
     expected = _reference(tiny_llama, prompt, 12, eos=False)
     cut = 4
     # The oracle proposes the continuation with an EOS at position `cut`, and the target
     # (forced by a stop-token set) must end exactly there.
-    engine = _engine(
-        tiny_llama,
-        drafter="test-oracle",
-        drafter_params={"reference": [*prompt, *expected], "hit_rate": 1.0},
-        tree={"policy": "chain", "budget": 8},
-        max_new_tokens=12,
-    )
+    engine = _perfect_chain_engine(tiny_llama, [*prompt, *expected], max_new_tokens=12)
     engine.target.__dict__["eos_token_ids"] = frozenset({expected[cut]})
     try:
         result = engine.generate(prompt)
@@ -130,14 +135,8 @@ def test_stop_string_ends_generation_right_after_it(tiny_llama: Target) -> None:
     expected = _reference(tiny_llama, prompt, 12, eos=False)
     stop_word = tiny_llama.decode([expected[5]])
     first = next(i for i, t in enumerate(expected) if tiny_llama.decode([t]) == stop_word)
-    engine = _engine(
-        tiny_llama,
-        drafter="test-oracle",
-        drafter_params={"reference": [*prompt, *expected], "hit_rate": 1.0},
-        tree={"policy": "chain", "budget": 8},
-        max_new_tokens=12,
-        stop=(stop_word,),
-        stop_at_eos=False,
+    engine = _perfect_chain_engine(
+        tiny_llama, [*prompt, *expected], max_new_tokens=12, stop=(stop_word,), stop_at_eos=False
     )
     result = engine.generate(prompt)
     assert result.token_ids == expected[: first + 1]
