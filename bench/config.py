@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from jetflow.bench.datasets import DATASET_NAMES, FILE_PREFIX
-from jetflow.core.config import TreeConfig, build_config, load_toml, merge
+from jetflow.core.config import AUTO_BUDGET, Budget, TreeConfig, build_config, load_toml, merge
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import DtypeName
 from jetflow.core.registry import Registry, default_registry
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 #: the in-process baselines; ``ar`` (the engine loop without a drafter) always runs
 AR = "ar"
@@ -27,25 +27,35 @@ BASELINES: tuple[str, ...] = (HF_GENERATE, HF_PROMPT_LOOKUP)
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """One entry of ``drafters``: a drafter name and, optionally, an explicit tree policy.
+    """One entry of ``drafters``: a drafter (or a named variant of one) and, optionally, a policy.
 
     ``method`` is what results call the run: the entry exactly as the user typed it
-    (``ngram`` runs the drafter's default policy, ``ngram:chain`` names one).
+    (``ngram`` runs the drafter's default policy, ``ngram:chain`` names one, and a variant
+    such as ``jetflow-refresh`` is a drafter with its own parameters, see ``variants``).
     """
 
     drafter: str
     policy: str | None
+    variant: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> DrafterSpec:
-        drafter, _, policy = text.strip().partition(":")
-        if not drafter or (_ and not policy):
+    def parse(cls, text: str, variants: dict[str, str] | None = None) -> DrafterSpec:
+        """``variants`` maps variant names to the drafter each one runs."""
+        name, _, policy = text.strip().partition(":")
+        if not name or (_ and not policy):
             raise ConfigError(f"drafters: {text!r} is not 'name' or 'name:policy'")
-        return cls(drafter, policy or None)
+        if variants and name in variants:
+            return cls(variants[name], policy or None, variant=name)
+        return cls(name, policy or None)
+
+    @property
+    def label(self) -> str:
+        """The drafter or variant name the user typed."""
+        return self.variant or self.drafter
 
     @property
     def method(self) -> str:
-        return f"{self.drafter}:{self.policy}" if self.policy else self.drafter
+        return f"{self.label}:{self.policy}" if self.policy else self.label
 
     def resolved_policy(self, registry: Registry) -> str:
         """The policy the engine will run: the explicit one, else the drafter's default."""
@@ -63,6 +73,13 @@ class BenchTree(_Frozen):
     max_depth: int = Field(16, ge=1, description="deepest tree level")
 
 
+class Variant(_Frozen):
+    """A drafter run under its own name with its own parameters (e.g. an ablation arm)."""
+
+    drafter: str = Field(description="the drafter plugin this variant runs")
+    params: dict[str, Any] = Field(default_factory=dict, description="its parameters (over drafter_params)")
+
+
 class BenchConfig(_Frozen):
     """Everything that decides one side-by-side comparison."""
 
@@ -71,8 +88,10 @@ class BenchConfig(_Frozen):
     drafters: tuple[str, ...] = Field(("ngram",), description="'name' or 'name:policy' each")
     datasets: tuple[str, ...] = Field(("champ", "humaneval", "mtbench"), min_length=1)
     limit: int | None = Field(20, ge=1, description="first N samples of each data set (None: all)")
-    budgets: tuple[PositiveInt, ...] = Field(
-        (8, 16, 32), min_length=1, description="tree budgets, each a run per drafter"
+    budgets: tuple[Budget, ...] = Field(
+        (8, 16, 32),
+        min_length=1,
+        description=f"tree budgets, each a run per drafter; '{AUTO_BUDGET}': the calibrated one",
     )
     max_new_tokens: int = Field(128, ge=1, description="per turn (MT-Bench has two turns)")
     baselines: tuple[str, ...] = Field(BASELINES, description="transformers peers to run beside 'ar'")
@@ -86,6 +105,9 @@ class BenchConfig(_Frozen):
     tree: BenchTree = Field(default_factory=BenchTree)
     drafter_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per drafter name: its plugin parameters"
+    )
+    variants: dict[str, Variant] = Field(
+        default_factory=dict, description="named drafter variants usable in `drafters`"
     )
     threads: int | None = Field(
         None, ge=1, description="torch CPU threads (None: torch's default); fewer can win on a busy machine"
@@ -114,11 +136,14 @@ class BenchConfig(_Frozen):
             drafter_cls = registry.get("drafter", spec.drafter)  # PluginNotFoundError lists the names
             registry.get("tree_policy", spec.resolved_policy(registry))
             try:
-                drafter_cls.Params.model_validate(self.drafter_params.get(spec.drafter, {}))
+                drafter_cls.Params.model_validate(self.params_of(spec))
             except ValidationError as error:
                 problem = error.errors()[0]
                 where = ".".join(str(part) for part in problem["loc"])
-                raise ConfigError(f"drafter_params.{spec.drafter}.{where}: {problem['msg']}") from None
+                section = (
+                    f"variants.{spec.variant}.params" if spec.variant else f"drafter_params.{spec.drafter}"
+                )
+                raise ConfigError(f"{section}.{where}: {problem['msg']}") from None
         stray = set(self.drafter_params) - {spec.drafter for spec in specs}
         if stray:
             raise ConfigError(f"drafter_params for drafters not in the run: {', '.join(sorted(stray))}")
@@ -126,9 +151,15 @@ class BenchConfig(_Frozen):
 
     @property
     def drafter_specs(self) -> tuple[DrafterSpec, ...]:
-        return tuple(DrafterSpec.parse(text) for text in self.drafters)
+        variants = {name: variant.drafter for name, variant in self.variants.items()}
+        return tuple(DrafterSpec.parse(text, variants) for text in self.drafters)
 
-    def tree_config(self, spec: DrafterSpec, budget: int) -> TreeConfig:
+    def params_of(self, spec: DrafterSpec) -> dict[str, Any]:
+        """The drafter's parameters for a run: ``drafter_params`` with the variant's laid over."""
+        params = dict(self.drafter_params.get(spec.drafter, {}))
+        return params | (self.variants[spec.variant].params if spec.variant else {})
+
+    def tree_config(self, spec: DrafterSpec, budget: int | str) -> TreeConfig:
         return TreeConfig(
             policy=spec.policy, budget=budget, width=self.tree.width, max_depth=self.tree.max_depth
         )

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from jetflow.bench.config import AR, HF_GENERATE, HF_PROMPT_LOOKUP, BenchConfig
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.hf_baselines import HFGenerateMethod
-from jetflow.core.config import NO_DRAFTER, GenerateConfig
+from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig
 from jetflow.core.engine import Engine
 from jetflow.core.registry import Registry, default_registry
 from jetflow.core.target import Target
@@ -56,8 +56,10 @@ def build_methods(config: BenchConfig, target: Target, registry: Registry | None
             HFGenerateMethod(HF_PROMPT_LOOKUP, target, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
         )
     for spec in config.drafter_specs:
-        params = config.drafter_params.get(spec.drafter, {})
+        params = config.params_of(spec)
         for budget in config.budgets:
             tree = config.tree_config(spec, budget)
-            methods.append(EngineMethod(spec.method, engine(spec.drafter, tree, params)))
+            # "auto" resolves to a calibrated integer; its own name keeps it apart from that fixed run
+            name = f"{spec.method}@{AUTO_BUDGET}" if budget == AUTO_BUDGET else spec.method
+            methods.append(EngineMethod(name, engine(spec.drafter, tree, params)))
     return methods

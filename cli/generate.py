@@ -10,6 +10,7 @@ from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_t
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
+from jetflow.core.registry import default_registry
 from jetflow.core.result import GenerationResult
 from jetflow.core.target import Target
 
@@ -22,10 +23,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--drafter", help=f"drafter plugin name, or '{NO_DRAFTER}' for plain decoding")
     parser.add_argument("--tree-policy", help="tree policy plugin name (default: the drafter's)")
-    parser.add_argument("--budget", type=int, help="drafted tree nodes per step")
+    parser.add_argument(
+        "--budget",
+        help="drafted tree nodes per step, or 'auto' for the budget `jetflow calibrate` chose "
+        "(default: auto when calibrated, else 16)",
+    )
     parser.add_argument("--width", type=int, help="children proposed per expanded node")
     parser.add_argument("--max-depth", type=int, help="deepest tree level")
     parser.add_argument("--verifier", help="verifier plugin name")
+    parser.add_argument("--temperature", type=float, help="sampling verifier: target temperature (> 0)")
+    parser.add_argument("--top-p", type=float, help="sampling verifier: nucleus mass in (0, 1]")
+    parser.add_argument("--top-k", type=int, help="sampling verifier: keep the k most likely tokens (0: all)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--seed", type=int)
@@ -59,6 +67,20 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
         "chat_template": False if args.raw else None,
     }
     overrides = {key: value for key, value in flags.items() if value is not None}
+    sampling = {
+        key: value
+        for key, value in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}.items()
+        if value is not None
+    }
+    if sampling:
+        default = GenerateConfig.model_fields["verifier"].default
+        verifier = overrides.get("verifier", base.get("verifier", default))
+        accepted = default_registry().get("verifier", verifier).Params.model_fields
+        if unknown := [f"--{key.replace('_', '-')}" for key in sampling if key not in accepted]:
+            raise ConfigError(
+                f"{', '.join(unknown)}: not a parameter of the {verifier!r} verifier (try sampling)"
+            )
+        overrides["verifier_params"] = sampling
     if tree:
         overrides["tree"] = tree
     return build_config(GenerateConfig, merge(base, overrides))

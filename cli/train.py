@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from pathlib import Path
 
+from jetflow.core.config import merge
 from jetflow.core.errors import ConfigError, DataError
 
 
@@ -19,7 +21,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--features", type=Path, help="feature cache folder (default: the corpus's cache)")
     parser.add_argument("--out", type=Path, help="output folder (log, checkpoints, final head)")
     parser.add_argument("--steps", type=int, help="override the number of optimiser steps")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='override one config value, dotted keys and TOML values (e.g. loss.kind="sft"); repeatable',
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy machine)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.set_defaults(run=run)
 
@@ -32,12 +43,17 @@ def run(args: argparse.Namespace) -> int:
     from jetflow.drafters.training.checkpoint import CheckpointInfo, target_record
     from jetflow.drafters.training.trainer import TrainConfig, Trainer
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     drafter_cls = default_registry().get("drafter", args.drafter)
     if not hasattr(drafter_cls, "new_head"):
         raise ConfigError(f"drafter {args.drafter!r} has no trainable head")
     config_path = args.config or _shipped_config(drafter_cls)
     config = TrainConfig.from_toml(
         config_path,
+        settings=parse_settings(args.settings),
         drafter=args.drafter,
         out=str(args.out) if args.out else None,
         corpus=str(args.corpus) if args.corpus else None,
@@ -65,6 +81,23 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary) if args.json else "\n".join(f"{k:<16} {v}" for k, v in summary.items()))
     return 0
+
+
+def parse_settings(settings: list[str]) -> dict:
+    """``["loss.kind=\"sft\"", "steps=300"]`` -> nested dict; values are TOML (bare words are strings)."""
+    nested: dict = {}
+    for setting in settings:
+        key, sep, raw = setting.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE, got {setting!r}")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        for part in reversed(key.strip().split(".")):
+            value = {part: value}
+        nested = merge(nested, value)
+    return nested
 
 
 def _shipped_config(drafter_cls) -> Path:

@@ -6,17 +6,37 @@ Plugin names are checked against the registry and plugin parameters by the plugi
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, TypeVar
-
 import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
 from jetflow.core.errors import ConfigError, PluginNotFoundError
 from jetflow.core.precision import DtypeName
 from jetflow.core.registry import default_registry
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 NO_DRAFTER = "none"
 DEFAULT_DRAFTER = "ngram"
+AUTO_BUDGET = "auto"
+#: the budget when none is given and no calibration exists for the setup
+DEFAULT_BUDGET = 16
+
+
+def parse_budget(value: object) -> object:
+    """An integer >= 1 or ``"auto"`` (also from CLI text); anything else, one clear message."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == AUTO_BUDGET:
+            return AUTO_BUDGET
+        if text.lstrip("-").isdigit():
+            value = int(text)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"a budget is an integer >= 1 or '{AUTO_BUDGET}', got {value!r}")
+
+
+#: a tree budget as configs and flags give it: drafted nodes, or the calibrated best
+Budget = Annotated[int | Literal["auto"], BeforeValidator(parse_budget)]
 
 
 class _Frozen(BaseModel):
@@ -27,7 +47,11 @@ class TreeConfig(_Frozen):
     """How large a tree the policy may build each step."""
 
     policy: str | None = Field(None, description="tree policy; the drafter's default if unset")
-    budget: int = Field(16, ge=1, description="drafted nodes per step (root excluded)")
+    budget: Budget | None = Field(
+        None,
+        description="drafted nodes per step (root excluded); 'auto': the calibrated best; "
+        f"unset: the calibrated best if `jetflow calibrate` ran for this setup, else {DEFAULT_BUDGET}",
+    )
     width: int = Field(4, ge=1, description="children proposed per expanded node")
     max_depth: int = Field(16, ge=1, description="deepest tree level")
     params: dict[str, Any] = Field(default_factory=dict)

@@ -69,6 +69,17 @@ class DraftSession(Protocol):
         ...
 
 
+class DistributionSession(DraftSession, Protocol):
+    """A session that can also give its full next-token distributions, so a policy can sample."""
+
+    def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
+        """``[f, vocab]`` next-token probabilities at each of ``nodes``; all zero where it has none.
+
+        ``vocab`` is the target's full vocabulary (column = token id).
+        """
+        ...
+
+
 CostShape = Literal["parallel", "per-depth", "free"]
 
 
@@ -111,6 +122,9 @@ class TreePolicy(Plugin, ABC):
 
     def __init__(self, params: BaseModel) -> None:
         self.params = params
+
+    def reset(self, generator: torch.Generator) -> None:
+        """Start a new sequence; a policy that samples draws from the run's seeded ``generator``."""
 
     @abstractmethod
     def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:

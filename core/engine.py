@@ -10,7 +10,8 @@ import time
 from collections.abc import Sequence
 
 import torch
-from jetflow.core.config import GenerateConfig
+from jetflow.core.calibration import BudgetSource, CalibrationKey, resolve_budget
+from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import DraftContext, Drafter, TreePolicy, TreeShape, Verifier
 from jetflow.core.errors import ConfigError, TargetError
 from jetflow.core.precision import resolve_dtype
@@ -44,7 +45,20 @@ class Engine:
         self.policy: TreePolicy = policy_cls(policy_cls.Params.model_validate(config.tree.params))
         verifier_cls = registry.get("verifier", config.verifier)
         self.verifier: Verifier = verifier_cls(verifier_cls.Params.model_validate(config.verifier_params))
-        self.shape = TreeShape(config.tree.budget, config.tree.width, config.tree.max_depth)
+        self.budget_source: BudgetSource = "fixed"
+        self.shape = TreeShape(self._resolve_budget(), config.tree.width, config.tree.max_depth)
+
+    def _resolve_budget(self) -> int:
+        """Once per engine: a fixed budget as given; ``auto`` or unset from the cached calibration."""
+        budget = self.config.tree.budget
+        if isinstance(budget, int):
+            return budget
+        if self.drafter is None:  # the baseline verifies the root alone
+            self.budget_source = "default"
+            return DEFAULT_BUDGET
+        key = CalibrationKey.of(self.target, self.drafter, self.policy, self.verifier, self.config.tree)
+        budget, self.budget_source = resolve_budget(budget, key, self.config.target)
+        return budget
 
     @property
     def budget(self) -> int | None:
@@ -74,6 +88,7 @@ class Engine:
                 f"context window is {self.target.context_length}"
             )
         generator = torch.Generator().manual_seed(self.config.seed)
+        self.policy.reset(generator)  # one seeded generator per run: sampled trees and acceptance
         layers = self.drafter.feature_layers if self.drafter else ()
         if self.drafter:
             self.drafter.reset()
@@ -87,9 +102,17 @@ class Engine:
         while finish is None:
             t0 = time.perf_counter()
             tree = DraftTree.root(int(tokens[-1]))
+            forwards = 0
             if self.drafter:
                 context = DraftContext(tokens, features, cache.get_seq_length())
-                tree = self.policy.build(self.drafter.begin(context), tree, self.shape)
+                session = self.drafter.begin(context)
+                first = self.policy.build(session, tree, self.shape)
+                refine = getattr(session, "refine", None)
+                if refine is not None:  # a second pass conditioned on the first tree, rebuilt
+                    session = refine(first)
+                    first = self.policy.build(session, tree, self.shape)
+                tree = first
+                forwards = int(getattr(session, "forwards", 0))  # drafter forwards this step
             t1 = time.perf_counter()
             n_cached = cache.get_seq_length()
             out = self.target.verify(cache, tree, layers)
@@ -98,7 +121,7 @@ class Engine:
             t2 = time.perf_counter()
 
             emitted = [*tree.tokens[decision.path[1:]].tolist(), decision.next_token]
-            steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1))
+            steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards))
             emitted, finish = self._truncate(new, emitted, limit)
             new.extend(emitted)
             tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long)])

@@ -17,12 +17,15 @@ class StepRecord:
         tree_size: nodes verified, root included.
         draft_s: seconds spent drafting (drafter forward and tree building).
         verify_s: seconds spent in the target forward, acceptance and cache commit.
+        draft_forwards: drafter model forwards run to build the tree (a session's ``forwards``;
+            0 for a model-free drafter, 1 for a parallel head, one per level for EAGLE).
     """
 
     accepted: int
     tree_size: int
     draft_s: float
     verify_s: float
+    draft_forwards: int = 0
 
 
 @dataclass
@@ -54,6 +57,10 @@ class GenerationResult:
     def verify_s(self) -> float:
         return sum(step.verify_s for step in self.steps)
 
+    @property
+    def draft_forwards(self) -> int:
+        return sum(step.draft_forwards for step in self.steps)
+
     def stats(self) -> dict[str, float | int | None]:
         """The summary printed by ``jetflow generate --json``."""
         return {
@@ -64,6 +71,7 @@ class GenerationResult:
             "wall_s": round(self.wall_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
+            "draft_forwards_per_step": round(self.draft_forwards / max(len(self.steps), 1), 4),
             "budget": self.budget,
         }
 

@@ -23,11 +23,16 @@ class DraftTree:
         tokens: ``[n]`` token id of each node; ``tokens[0]`` is the root.
         parents: ``[n]`` parent index of each node, ``-1`` for the root, ``parents[i] < i``.
         scores: ``[n]`` cumulative draft log-probability of the path to each node (root 0).
+        draft_probs: ``[n, vocab]`` the draft distribution each node's children were *sampled*
+            from (without replacement, in node order), an all-zero row where they were not
+            sampled; ``None`` for a tree of deterministic proposals (top-k). The sampling
+            verifier needs it to accept sampled children with probability ``min(1, p/q)``.
     """
 
     tokens: Tensor
     parents: Tensor
     scores: Tensor
+    draft_probs: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -37,6 +42,8 @@ class DraftTree:
             raise ValueError("parents must be topologically ordered with the root first")
         if n > 1 and bool((self.parents[1:] < 0).any()):
             raise ValueError("only the root may have no parent")
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
+            raise ValueError("draft_probs must be [n, vocab], one row per node")
 
     @classmethod
     def root(cls, token: int) -> DraftTree:
@@ -97,17 +104,38 @@ class DraftTree:
         return out
 
     def extend(self, parents: Tensor, tokens: Tensor, logprobs: Tensor) -> DraftTree:
-        """Append children ``tokens`` under existing nodes ``parents`` (all ``[m]``)."""
+        """Append children ``tokens`` under existing nodes ``parents`` (all ``[m]``).
+
+        New nodes get all-zero ``draft_probs`` rows (nothing sampled under them yet).
+        """
+        draft_probs = self.draft_probs
+        if draft_probs is not None:
+            draft_probs = torch.cat(
+                [draft_probs, draft_probs.new_zeros(tokens.shape[0], draft_probs.shape[1])]
+            )
         return DraftTree(
             tokens=torch.cat([self.tokens, tokens.to(torch.long)]),
             parents=torch.cat([self.parents, parents.to(torch.long)]),
             scores=torch.cat([self.scores, self.scores[parents] + logprobs.to(self.scores.dtype)]),
+            draft_probs=draft_probs,
+        )
+
+    def with_draft_probs(self, nodes: Tensor, probs: Tensor) -> DraftTree:
+        """Record that the children of ``nodes`` (``[f]``) are sampled from ``probs`` (``[f, vocab]``)."""
+        draft_probs = self.draft_probs
+        if draft_probs is None:
+            draft_probs = probs.new_zeros(self.size, probs.shape[1])
+        draft_probs = draft_probs.index_copy(0, nodes.to(torch.long), probs.to(draft_probs.dtype))
+        return DraftTree(
+            tokens=self.tokens, parents=self.parents, scores=self.scores, draft_probs=draft_probs
         )
 
     def select(self, keep: Tensor) -> DraftTree:
         """The sub-tree of the nodes in ``keep`` (``[n]`` bool), which must contain its ancestors.
 
         Kept nodes stay in their relative (topological) order; parent indices are remapped.
+        On a sampled tree, dropping some of a node's children keeps the rest a valid sample
+        only if it drops a suffix in node order chosen without looking at their tokens.
         """
         keep = keep.clone()
         keep[0] = True
@@ -116,4 +144,7 @@ class DraftTree:
         new_index = torch.cumsum(keep, dim=0) - 1
         old_parents = self.parents[keep]
         parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
-        return DraftTree(tokens=self.tokens[keep], parents=parents, scores=self.scores[keep])
+        draft_probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree(
+            tokens=self.tokens[keep], parents=parents, scores=self.scores[keep], draft_probs=draft_probs
+        )

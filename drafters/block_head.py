@@ -63,6 +63,13 @@ class BlockHeadConfig(BaseModel):
     draft_vocab_size: int | None = Field(
         None, ge=1, description="draft over the N most frequent response tokens only; None: full vocabulary"
     )
+    path_conditioning: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of training blocks whose first slots hold the true tokens; > 0 trains the "
+        "head for the path-conditioned refresh (causal heads only)",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> BlockHeadConfig:
@@ -70,6 +77,8 @@ class BlockHeadConfig(BaseModel):
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (rotary embedding)")
+        if self.path_conditioning and not self.causal:
+            raise ValueError("path_conditioning needs a causal in-block mask")
         return self
 
     @property
@@ -182,14 +191,22 @@ class BlockHead(nn.Module):
         blocks = blocks.reshape(n * size, n * size).expand(b, -1, -1)
         return torch.cat([ctx, blocks], dim=2)
 
-    def block_inputs(self, anchor_embeds: Tensor) -> tuple[Tensor, Tensor]:
+    def block_inputs(
+        self, anchor_embeds: Tensor, revealed: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Block embeddings ``[b, N*B, H]`` and their offsets from the anchor ``[N*B]``.
 
-        ``anchor_embeds [b, N, H]``: slot 0 is the anchor, the rest the mask token.
+        ``anchor_embeds [b, N, H]``: slot 0 is the anchor, the rest the mask token, except
+        that with ``revealed = (embeds [b, N, B-1, H], counts [b, N])`` slots ``1 .. count``
+        hold the embeddings of the true tokens there (path-conditioning training).
         """
         b, n, hidden = anchor_embeds.shape
         size = self.config.block_size
         masks = self.mask_embedding.expand(b, n, size - 1, hidden)
+        if revealed is not None:
+            embeds, counts = revealed
+            shown = torch.arange(1, size, device=counts.device) <= counts[..., None]  # [b, N, B-1]
+            masks = torch.where(shown[..., None], embeds.to(self.dtype), masks)
         block = torch.cat([anchor_embeds.to(self.dtype)[:, :, None], masks], dim=2)
         offsets = torch.arange(size, device=anchor_embeds.device).repeat(n)
         return block.reshape(b, n * size, hidden), offsets
@@ -212,16 +229,23 @@ class BlockHead(nn.Module):
         return self.norm(x)
 
     # ------------------------------------------------------------------ training
-    def forward(self, features: Tensor, anchor_embeds: Tensor, anchors: Tensor) -> Tensor:
+    def forward(
+        self,
+        features: Tensor,
+        anchor_embeds: Tensor,
+        anchors: Tensor,
+        revealed: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """Many blocks per sequence at once (training).
 
         ``features [b, T, k, H]`` (context of every position), ``anchor_embeds [b, N, H]``,
-        ``anchors [b, N]`` -> per-depth hidden states ``[b, N, D, H]`` (D = block_size - 1).
+        ``anchors [b, N]``, optional ``revealed`` (see :meth:`block_inputs`) -> per-depth
+        hidden states ``[b, N, D, H]`` (D = block_size - 1).
         """
         b, n = anchors.shape
         size = self.config.block_size
         context = self.context_kv(features)
-        x, offsets = self.block_inputs(anchor_embeds)
+        x, offsets = self.block_inputs(anchor_embeds, revealed)
         positions = anchors.repeat_interleave(size, dim=1) + offsets
         hidden = self.block_hidden(x, positions, context, self.block_mask(anchors, features.shape[1]))
         return hidden.view(b, n, size, -1)[:, :, 1:]
@@ -229,11 +253,30 @@ class BlockHead(nn.Module):
     def training_predictions(self, batch: ExampleBatch, shared: FrozenTargetParts) -> Predictions:
         """The trainer's head hook: hidden states of every supervised (anchor, depth) pair."""
         anchor_embeds = shared.embed(batch.tokens.gather(1, batch.anchors))
-        hidden = self(batch.features, anchor_embeds, batch.anchors)  # [b, N, D, H]
         valid, positions = batch.depth_targets(self.max_depth)
+        revealed = None
+        if self.training and self.config.path_conditioning > 0:
+            counts = self.reveal_counts(batch.anchors)
+            depth_tokens = batch.tokens.gather(1, positions.flatten(1).clamp(max=batch.tokens.shape[1] - 1))
+            revealed = (shared.embed(depth_tokens).view(*positions.shape, -1), counts)
+            # A revealed slot sees its own token: it teaches nothing.
+            valid = valid & (torch.arange(1, self.max_depth + 1, device=valid.device) > counts[..., None])
+        hidden = self(batch.features, anchor_embeds, batch.anchors, revealed)  # [b, N, D, H]
         rows = torch.arange(batch.size, device=valid.device)[:, None, None].expand_as(valid)
         depths = torch.arange(1, self.max_depth + 1, device=valid.device).expand_as(valid)
         return Predictions(hidden[valid], rows[valid], positions[valid], depths[valid])
+
+    def reveal_counts(self, anchors: Tensor) -> Tensor:
+        """``[b, N]`` true tokens shown per training block: 0, or uniform in ``1 .. B-2`` for a
+        ``path_conditioning`` share of the blocks.
+
+        Drawn from a generator seeded by the anchors, so a resumed run draws the same.
+        """
+        generator = torch.Generator().manual_seed(int(anchors.sum()) * 7919 + anchors.numel())
+        shape = anchors.shape
+        shown = torch.rand(shape, generator=generator) < self.config.path_conditioning
+        counts = torch.randint(1, self.config.block_size - 1, shape, generator=generator)
+        return torch.where(shown, counts, 0).to(anchors.device)
 
     # ------------------------------------------------------------------ inference
     def empty_cache(self) -> ContextCache:
@@ -259,3 +302,27 @@ class BlockHead(nn.Module):
         x, offsets = self.block_inputs(anchor_embed.reshape(1, 1, -1))
         mask = self.block_mask(anchors, cache.length)
         return self.block_hidden(x, (cache.length + offsets)[None], cache.kv, mask)[0, 1:]
+
+    def refresh(self, cache: ContextCache, node_embeds: Tensor, depths: Tensor, ancestors: Tensor) -> Tensor:
+        """Path-conditioned children of every node of a draft tree in one pass: ``[n, H]``.
+
+        ``node_embeds [n, H]`` (the root's is the anchor's), ``depths [n]`` and
+        ``ancestors [n, n]`` (``DraftTree.ancestor_mask``). Each node is a slot holding its
+        actual token at position ``p + depth`` that sees its ancestors; each node also gets
+        a mask query at ``p + depth + 1`` that sees the node's path and itself - exactly a
+        training block whose first ``depth`` slots are revealed - so the query's output is
+        the distribution of that node's children given its own path.
+        """
+        n = node_embeds.shape[0]
+        length = cache.length
+        queries = self.mask_embedding.expand(n, -1)
+        x = torch.cat([node_embeds.to(self.dtype), queries])[None]
+        positions = length + torch.cat([depths, depths + 1]).to(self.device)[None]
+        ancestors = ancestors.to(self.device)
+        own = torch.eye(n, dtype=torch.bool, device=self.device)
+        tree = torch.cat(
+            [torch.cat([ancestors, torch.zeros_like(ancestors)], 1), torch.cat([ancestors, own], 1)]
+        )
+        context = torch.ones(2 * n, length, dtype=torch.bool, device=self.device)
+        mask = torch.cat([context, tree], dim=1)[None]
+        return self.block_hidden(x, positions, cache.kv, mask)[0, n:]

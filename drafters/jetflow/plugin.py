@@ -41,6 +41,11 @@ class BlockHeadParams(BaseModel):
     checkpoint: str | None = Field(
         None, description="checkpoint folder; default: the head shipped for the target"
     )
+    refresh: bool = Field(
+        False,
+        description="path-conditioned refresh: a second head pass over the built tree gives every "
+        "node children conditioned on its own path, and the tree is rebuilt from them",
+    )
 
 
 class PerDepthSession:
@@ -52,13 +57,30 @@ class PerDepthSession:
         vocab: ``[N]`` vocabulary id of each column, or None when columns are ids.
     """
 
-    def __init__(self, logprobs: Tensor, vocab: Tensor | None = None) -> None:
+    #: head forwards per step: the one block forward ``begin`` ran (children are free)
+    forwards: int = 1
+
+    def __init__(self, logprobs: Tensor, vocab: Tensor | None = None, vocab_size: int | None = None) -> None:
         self.logprobs = logprobs
         self.vocab = vocab
+        self.vocab_size = vocab_size or int(logprobs.shape[1])  # the target's full vocabulary
         self.max_depth: int | None = int(logprobs.shape[0])
         self._top: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def _topk(self, k: int) -> tuple[Tensor, Tensor]:
+    def full_vocabulary(self, rows: Tensor) -> Tensor:
+        """Probabilities over the draft vocabulary ``[f, N]`` -> over the full one ``[f, V]``."""
+        if self.vocab is None and rows.shape[1] == self.vocab_size:
+            return rows
+        columns = torch.arange(rows.shape[1]) if self.vocab is None else self.vocab
+        return rows.new_zeros(rows.shape[0], self.vocab_size).index_copy_(1, columns, rows)
+
+    def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
+        """``[f, V]`` next-token probabilities (the next depth's row); zero below the last depth."""
+        depths = tree.depths[nodes]
+        rows = self.logprobs[depths.clamp(max=self.logprobs.shape[0] - 1)].exp()
+        return self.full_vocabulary(rows.masked_fill((depths >= self.logprobs.shape[0])[:, None], 0.0))
+
+    def topk(self, k: int) -> tuple[Tensor, Tensor]:
         """Top-``k`` per depth as token ids, computed once per ``k``: ``([D, k], [D, k])``."""
         if k not in self._top:
             values, columns = self.logprobs.topk(min(k, self.logprobs.shape[1]), dim=1)
@@ -71,11 +93,65 @@ class PerDepthSession:
         return self._top[k]
 
     def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        values, tokens = self._topk(k)
+        values, tokens = self.topk(k)
         depths = tree.depths[nodes]  # children sit at depth + 1, i.e. row `depth`
         rows = depths.clamp(max=values.shape[0] - 1)
         logprobs = values[rows].masked_fill((depths >= values.shape[0])[:, None], float("-inf"))
         return tokens[rows], logprobs
+
+
+class PathConditionedSession:
+    """Children conditioned on each node's actual path, from one refresh pass over a first tree.
+
+    ``first`` is the tree the refresh pass saw and ``logprobs [n, N]`` the distribution of
+    each of its nodes' children. A node of the tree being rebuilt that is also a node of
+    ``first`` (same path) answers from its own row; any other node falls back to ``base``
+    (the per-depth distributions), so the rebuilt tree may grow where ``first`` did not.
+    """
+
+    def __init__(self, base: PerDepthSession, first: DraftTree, logprobs: Tensor) -> None:
+        self.base = base
+        self.max_depth = base.max_depth
+        self.forwards = base.forwards + 1  # the block forward and the refresh pass
+        self.per_node = PerDepthSession(logprobs, base.vocab, base.vocab_size)  # row i: first-tree node i
+        self._stride = int(
+            max(logprobs.shape[1] if base.vocab is None else base.vocab.max() + 1, first.tokens.max() + 1)
+        )
+        keys, order = (first.parents[1:] * self._stride + first.tokens[1:]).sort()
+        # A sentinel above every key keeps searchsorted in range; it never matches.
+        self._keys = torch.cat([keys, torch.tensor([self._stride * (first.size + 1)])])
+        self._children = torch.cat([order + 1, torch.tensor([-1])])  # first-tree node of each key
+        self._match = torch.zeros(1, dtype=torch.long)  # rebuilt-tree node -> first-tree node or -1
+
+    def _matches(self, tree: DraftTree) -> Tensor:
+        """First-tree node of every node of ``tree`` (``-1`` if none), extended level by level."""
+        while self._match.shape[0] < tree.size:
+            known = self._match.shape[0]
+            ready = tree.parents[known:] < known  # a prefix, as the tree is topologically ordered
+            count = int(ready.long().cumprod(0).sum())
+            parent_match = self._match[tree.parents[known : known + count]]
+            keys = parent_match * self._stride + tree.tokens[known : known + count]
+            slot = torch.searchsorted(self._keys, keys)
+            found = (parent_match >= 0) & (self._keys[slot] == keys)
+            self._match = torch.cat([self._match, torch.where(found, self._children[slot], -1)])
+        return self._match
+
+    def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        tokens, logprobs = self.base.children(tree, nodes, k)
+        first = self._matches(tree)[nodes]
+        hit = first >= 0
+        if bool(hit.any()):
+            values, ids = self.per_node.topk(k)
+            tokens[hit], logprobs[hit] = ids[first[hit]], values[first[hit]]
+        return tokens, logprobs
+
+    def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
+        """``[f, V]``: a node's own refreshed distribution where it has one, else the depth's."""
+        probs = self.base.distributions(tree, nodes)
+        first = self._matches(tree)[nodes]
+        hit = first >= 0
+        probs[hit] = self.per_node.full_vocabulary(self.per_node.logprobs[first[hit]].exp())
+        return probs
 
 
 class JetFlowDrafter(Drafter):
@@ -97,6 +173,10 @@ class JetFlowDrafter(Drafter):
         self.shared = FrozenTargetParts.from_target(target)
         self.lm = DraftLMHead.build(self.shared.lm_head, self.head.draft_tokens)
         self.checkpoint_info = info
+        if params.refresh and not self.head.config.path_conditioning:
+            raise ConfigError(
+                f"refresh needs a {self.name} head trained with path_conditioning > 0; {folder} was not"
+            )
         self._cache: ContextCache = self.head.empty_cache()
 
     # ------------------------------------------------------------------ construction
@@ -164,9 +244,24 @@ class JetFlowDrafter(Drafter):
             )
         root = context.tokens[-1].to(self.head.device)
         hidden = self.head.draft(self._cache, self.shared.embed(root))  # [D, H]
-        logprobs = torch.log_softmax(self.lm.logits(hidden).float(), dim=-1)
-        vocab = None if self.lm.tokens is None else self.lm.tokens.cpu()
-        return PerDepthSession(logprobs.cpu(), vocab)
+        session = PerDepthSession(self._logprobs(hidden), self._vocab, self.target.vocab_size)
+        if self.params.refresh:
+            session.refine = lambda tree: self.refresh(session, tree)
+        return session
+
+    @property
+    def _vocab(self) -> Tensor | None:
+        return None if self.lm.tokens is None else self.lm.tokens.cpu()
+
+    def _logprobs(self, hidden: Tensor) -> Tensor:
+        return torch.log_softmax(self.lm.logits(hidden).float(), dim=-1).cpu()
+
+    @torch.inference_mode()
+    def refresh(self, session: PerDepthSession, tree: DraftTree) -> PathConditionedSession:
+        """One more head pass over ``tree``: every node's children given its actual path."""
+        embeds = self.shared.embed(tree.tokens.to(self.head.device))
+        hidden = self.head.refresh(self._cache, embeds, tree.depths, tree.ancestor_mask)
+        return PathConditionedSession(session, tree, self._logprobs(hidden))
 
 
 @hookimpl

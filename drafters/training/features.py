@@ -150,6 +150,10 @@ class FeatureWriter:
 class FeatureStore:
     """Memory-mapped features of a corpus: ``sequence(i)`` gives tokens, prompt length and states.
 
+    ``layers`` may be a subset of the cached ones (an EAGLE head reads 3 of the 5 layers the
+    block heads' cache holds): without ``folder``, the cache of exactly ``layers`` is used if
+    it exists, else one of the corpus's caches holding all of them; only ``layers`` are served.
+
     Opening fails with a :class:`DataError` when a shard of the corpus has no (or a stale)
     feature shard, saying which command fills the cache.
     """
@@ -157,15 +161,19 @@ class FeatureStore:
     def __init__(self, corpus: Corpus, layers: Sequence[int], folder: Path | None = None) -> None:
         self.corpus = corpus
         self.layers = tuple(layers)
-        self.folder = Path(folder) if folder else feature_dir(corpus.name, self.layers)
+        self.folder = Path(folder) if folder else _find_cache(corpus.name, self.layers)
         manifest = _read_manifest(self.folder)
-        if manifest is None or manifest["layers"] != list(self.layers):  # never written, or other layers
+        # never written, or without some of the layers asked for
+        if manifest is None or not set(self.layers) <= set(manifest["layers"]):
             listed = ",".join(map(str, self.layers))
             raise DataError(
                 f"no cached features of layers {listed} for corpus {corpus.path} in {self.folder}: "
                 f"run `jetflow data features --corpus {corpus.path} --layers {listed}`"
             )
         self.cache_manifest = manifest
+        cached = list(manifest["layers"])
+        #: positions of ``layers`` among the cached layers, None when they are all of them
+        self._columns = None if cached == list(self.layers) else [cached.index(x) for x in self.layers]
         self.hidden_size = int(manifest["hidden_size"])
         described = ("source", "target", "settings", "counts", "regeneration")
         #: What the data is, small enough to copy into a checkpoint (no id list).
@@ -187,7 +195,7 @@ class FeatureStore:
         """Map one shard's two arrays and derive its row offsets (``T_i - 1`` rows per sequence)."""
         shard = self.corpus.shards[index]
         row_offsets = shard.offsets - torch.arange(len(shard) + 1)
-        n_rows, k = int(row_offsets[-1]), len(self.layers)
+        n_rows, k = int(row_offsets[-1]), len(self.cache_manifest["layers"])
         expected = ((n_rows, k, self.hidden_size), (n_rows, self.hidden_size))
         arrays = []
         for path, shape in zip(_shard_paths(self.folder, index), expected, strict=True):
@@ -217,12 +225,25 @@ class FeatureStore:
         shard = self.corpus.shards[s]
         features, final, rows = self._arrays[s]
         start, stop = int(rows[j]), int(rows[j + 1])
+        features = features[start:stop] if self._columns is None else features[start:stop, self._columns]
         return (
             shard.sequence(j),
             int(shard.prompt_lengths[j]),
-            torch.from_numpy(features[start:stop]),
+            torch.from_numpy(features),
             torch.from_numpy(final[start:stop]),
         )
+
+
+def _find_cache(corpus_name: str, layers: tuple[int, ...]) -> Path:
+    """The cache folder of exactly ``layers``, else the first (by name) holding them all."""
+    exact = feature_dir(corpus_name, layers)
+    if (exact / MANIFEST_NAME).exists():
+        return exact
+    for folder in sorted(exact.parent.glob("layers-*")):
+        manifest = _read_manifest(folder)
+        if manifest is not None and set(layers) <= set(manifest["layers"]):
+            return folder
+    return exact
 
 
 def batches_by_length(lengths: Tensor, token_budget: int) -> list[Tensor]:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
-from jetflow.core.config import build_config, load_toml
+from jetflow.core.config import build_config, load_toml, merge
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
 from jetflow.drafters.training.checkpoint import (
@@ -90,6 +90,9 @@ class TrainConfig(_Frozen):
     batch_sequences: int = Field(4, ge=1, description="sequences per optimiser step")
     anchors_per_sequence: int = Field(64, ge=1, description="random anchors drawn per sequence")
     holdout_sequences: int = Field(32, ge=0, description="sequences held out for evaluation")
+    max_sequences: int | None = Field(
+        None, ge=2, description="use only the first N sequences (fixed-data ablations); None: all"
+    )
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(250, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
@@ -99,9 +102,12 @@ class TrainConfig(_Frozen):
     ship_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
 
     @classmethod
-    def from_toml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        """Read a TOML file; non-``None`` ``overrides`` (CLI flags) win."""
-        data = load_toml(path) | {key: value for key, value in overrides.items() if value is not None}
+    def from_toml(
+        cls, path: str | Path, settings: dict[str, Any] | None = None, **overrides: Any
+    ) -> TrainConfig:
+        """Read a TOML file; nested ``settings`` (``--set``) and non-``None`` ``overrides`` win."""
+        data = merge(load_toml(path), settings or {})
+        data |= {key: value for key, value in overrides.items() if value is not None}
         return build_config(cls, data)
 
 
@@ -198,7 +204,7 @@ class Trainer:
 
     def _split(self) -> tuple[Tensor, Tensor]:
         """A fixed held-out set (independent of the training seed) and the rest for training."""
-        n = len(self.store)
+        n = min(len(self.store), self.config.max_sequences or len(self.store))
         holdout = min(self.config.holdout_sequences, n // 2)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(1234))
         if n - holdout < 1:

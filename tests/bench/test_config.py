@@ -63,8 +63,8 @@ def test_bad_values_are_config_errors(overrides: dict, message: str) -> None:
 
 def test_unknown_drafter_lists_the_installed_ones() -> None:
     with pytest.raises(PluginNotFoundError) as caught:
-        load_bench_config(None, {"drafters": ["ngram", "dflash:chain"]})
-    assert caught.value.name == "dflash" and "ngram" in caught.value.known
+        load_bench_config(None, {"drafters": ["ngram", "nosuch:chain"]})
+    assert caught.value.name == "nosuch" and "ngram" in caught.value.known
 
 
 def test_file_datasets_are_accepted_by_name() -> None:
@@ -86,3 +86,23 @@ def test_suite_cases_cover_methods_by_data_set() -> None:
         "mtbench-ngram-B8",
         "mtbench-ngram-B16",
     ]
+
+
+def test_a_variant_runs_its_drafter_under_its_own_name_with_its_own_params(tmp_path: Path) -> None:
+    path = tmp_path / "bench.toml"
+    path.write_text(
+        'drafters = ["ngram", "short:chain"]\n'
+        "[drafter_params.ngram]\nmax_ngram = 3\n"
+        '[variants.short]\ndrafter = "ngram"\nparams = { max_ngram = 2 }\n'
+    )
+    config = load_bench_config(path)
+    plain, short = config.drafter_specs
+    assert (short.drafter, short.policy, short.method) == ("ngram", "chain", "short:chain")
+    assert config.params_of(plain)["max_ngram"] == 3 and config.params_of(short)["max_ngram"] == 2
+
+
+def test_a_variant_with_bad_params_names_its_section(tmp_path: Path) -> None:
+    path = tmp_path / "bench.toml"
+    path.write_text('drafters = ["v"]\n[variants.v]\ndrafter = "ngram"\nparams = { nope = 1 }\n')
+    with pytest.raises(ConfigError, match=r"variants\.v\.params\.nope"):
+        load_bench_config(path)

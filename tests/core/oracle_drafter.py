@@ -31,23 +31,39 @@ class OracleSession:
         self.params, self.committed, self.generator = params, committed, generator
         self.max_depth = params.max_depth
 
+    def _next_reference(self, tree: DraftTree, node: int) -> int | None:
+        """The reference token after ``node`` if the path to it follows the reference, else None."""
+        reference = self.params.reference
+        depth, start = int(tree.depths[node]), self.committed
+        path = tree.tokens[tree.path(node)[1:]].tolist()
+        on_reference = start + depth < len(reference) and list(reference[start : start + depth]) == path
+        return reference[start + depth] if on_reference else None
+
     def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        reference = torch.tensor(self.params.reference)
         tokens = torch.randint(2, self.params.vocab_size, (len(nodes), k), generator=self.generator)
         for row, node in enumerate(nodes.tolist()):
-            depth = int(tree.depths[node])
-            path = tree.tokens[tree.path(node)[1:]]
-            start = self.committed
-            on_reference = start + depth < len(reference) and bool(
-                (reference[start : start + depth] == path).all()
-            )
+            token = self._next_reference(tree, node)
             candidates = tokens[row]
-            if on_reference and torch.rand((), generator=self.generator) < self.params.hit_rate:
+            if token is not None and torch.rand((), generator=self.generator) < self.params.hit_rate:
                 rank = int(torch.randint(0, k, (), generator=self.generator))
-                candidates[rank] = reference[start + depth]
+                candidates[rank] = token
             tokens[row] = _distinct(candidates, self.params.vocab_size)
         logprobs = -torch.rand(len(nodes), k, generator=self.generator).sort(dim=1).values * 3
         return tokens, logprobs
+
+    def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
+        """Random ``[f, vocab]`` distributions, half their mass on the reference token where on it."""
+        probs = torch.softmax(
+            2 * torch.randn(len(nodes), self.params.vocab_size, generator=self.generator), 1
+        )
+        probs[:, :2] = 0.0  # like children(): never <pad> or <eos>
+        probs /= probs.sum(dim=1, keepdim=True)
+        for row, node in enumerate(nodes.tolist()):
+            token = self._next_reference(tree, node)
+            if token is not None:
+                probs[row] *= 1 - self.params.hit_rate / 2
+                probs[row, token] += self.params.hit_rate / 2
+        return probs
 
 
 def _distinct(tokens: Tensor, vocab: int) -> Tensor:

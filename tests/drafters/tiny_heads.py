@@ -72,7 +72,9 @@ def quick_config(**overrides) -> TrainConfig:
     return TrainConfig.model_validate(fields | overrides)
 
 
-def quick_trainer(target: Target, out: Path, head: BlockHead | None = None, **overrides) -> Trainer:
+def quick_trainer(
+    target: Target, out: Path, head: BlockHead | None = None, drafter: str = "jetflow", **overrides
+) -> Trainer:
     head = head or tiny_head(target)
     store = regenerated_store(target)
     return Trainer(
@@ -80,7 +82,7 @@ def quick_trainer(target: Target, out: Path, head: BlockHead | None = None, **ov
         head,
         FrozenTargetParts.from_target(target),
         store,
-        head_info(target, head),
+        head_info(target, head, drafter),
         out=out,
         progress=False,
     )

@@ -1,0 +1,212 @@
+"""``eagle``: the EAGLE-3-style autoregressive head; one head forward per tree level.
+
+``begin`` appends the newly committed (feature, next token) entries to the head's own KV
+cache (only they are projected) and runs the root's query: the depth-1 distribution. The
+session then answers ``children`` for a frontier with one batched forward over the
+frontier's not yet evaluated nodes, each attending to the cache, its drafted ancestors and
+itself, so every branch is conditioned on its own path. ``forwards`` counts the head
+forwards of the step (the engine records it).
+
+Checkpoints have the shared trainer's format; the default is the head shipped for the
+target under ``checkpoints/<target name>/`` beside this module.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from jetflow.core.contracts import DraftContext, Drafter
+from jetflow.core.errors import ConfigError, DataError
+from jetflow.core.hookspecs import hookimpl
+from jetflow.core.tree import DraftTree
+from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
+from jetflow.drafters.eagle.head import EagleCache, EagleHead, EagleHeadConfig, append_kv
+from jetflow.drafters.jetflow.plugin import JetFlowDrafter
+from jetflow.drafters.training.checkpoint import load_checkpoint, load_weights
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from jetflow.core.target import Target
+
+
+class EagleParams(BaseModel):
+    """Run-time parameters of the eagle drafter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: str | None = Field(
+        None, description="checkpoint folder; default: the head shipped for the target"
+    )
+    max_depth: int | None = Field(
+        None, ge=1, description="deepest draft level (one head forward each); None: the tree's max_depth"
+    )
+
+
+class EagleSession:
+    """Children of tree nodes from the head, one batched forward per call on new nodes.
+
+    Node states are kept by node index, so between calls the tree may only grow
+    (:meth:`DraftTree.extend`), which is what level-wise policies do.
+
+    Attributes:
+        forwards: head forwards run for this step (the root's query included).
+    """
+
+    def __init__(
+        self,
+        head: EagleHead,
+        lm: DraftLMHead,
+        shared: FrozenTargetParts,
+        cache: EagleCache,
+        max_depth: int | None,
+    ) -> None:
+        self.head, self.lm, self.shared, self.cache = head, lm, shared, cache
+        root = head.root_hidden(cache)
+        self.max_depth: int | None = max_depth if root is not None else 0
+        self.forwards = int(root is not None)
+        self._hidden = root[None] if root is not None else None  # [m, H]: evaluated nodes, root first
+        empty = cache.kv[0][:, :, :0]
+        self._drafted: tuple[Tensor, Tensor] = (empty, empty)  # keys/values of evaluated non-root nodes
+        self._nodes = torch.zeros(1, dtype=torch.long)  # tree node of each row of _hidden
+        self._tokens = torch.zeros(1, dtype=torch.long)  # their tokens (root's unchecked)
+        self._row = torch.zeros(1, dtype=torch.long)  # row of each node index, -1 if not evaluated
+
+    @torch.inference_mode()
+    def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        logprobs = self._logprobs(tree, nodes)
+        if logprobs is None:  # no committed entry yet (a one-token prompt): nothing to draft
+            none = torch.full((nodes.shape[0], k), -torch.inf)
+            return torch.zeros(none.shape, dtype=torch.long), none
+        values, columns = logprobs.topk(min(k, logprobs.shape[1]), dim=1)
+        tokens = self.lm.token_ids(columns).cpu()
+        values = values.cpu()
+        if values.shape[1] < k:
+            values = F.pad(values, (0, k - values.shape[1]), value=-torch.inf)
+            tokens = F.pad(tokens, (0, k - tokens.shape[1]))
+        return tokens, values
+
+    @torch.inference_mode()
+    def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
+        """``[f, vocab]`` next-token probabilities over the target's vocabulary (for sampled trees)."""
+        vocab = int(self.shared.lm_head.weight.shape[0])
+        probs = torch.zeros(nodes.shape[0], vocab)
+        logprobs = self._logprobs(tree, nodes)
+        if logprobs is not None:
+            columns = torch.arange(self.lm.size, device=logprobs.device)
+            probs[:, self.lm.token_ids(columns).cpu()] = logprobs.exp().cpu()
+        return probs
+
+    def _logprobs(self, tree: DraftTree, nodes: Tensor) -> Tensor | None:
+        """``[f, N]`` float32 log-probabilities over the draft vocabulary; None before any entry."""
+        if self._hidden is None:
+            return None
+        self._check_grown(tree)
+        if self._row.shape[0] < tree.size:
+            self._row = F.pad(self._row, (0, tree.size - self._row.shape[0]), value=-1)
+        new = nodes[self._row[nodes] < 0].unique()
+        if new.numel():
+            self._evaluate(tree, new)
+        hidden = self._hidden[self._row[nodes].to(self._hidden.device)]
+        return torch.log_softmax(self.lm.logits(hidden).float(), dim=-1)
+
+    def _check_grown(self, tree: DraftTree) -> None:
+        """Refuse a tree whose evaluated nodes moved (a policy that pruned between calls)."""
+        known = self._nodes[1:]
+        if known.numel() and (
+            int(known.max()) >= tree.size or not torch.equal(tree.tokens[known], self._tokens[1:])
+        ):
+            raise RuntimeError("the eagle session needs a tree that only grows between children calls")
+
+    def _evaluate(self, tree: DraftTree, new: Tensor) -> None:
+        """One head forward for drafted nodes ``new`` (``[q]``) whose parents were evaluated."""
+        parent_rows = self._row[tree.parents[new]]
+        if bool((parent_rows < 0).any()):
+            raise RuntimeError("children asked for a node whose parent was never expanded")
+        device = self.head.device
+        x = self.head.entry_inputs(
+            self.shared.embed(tree.tokens[new].to(device)), self._hidden[parent_rows.to(device)]
+        )
+        positions = (self.cache.length - 1 + tree.depths[new]).to(device)
+        ancestors = tree.ancestor_mask[new]
+        mask = torch.cat([ancestors[:, self._nodes[1:]], ancestors[:, new]], dim=1).to(device)
+        hidden = self.head.draft_step(self.cache, self._drafted, x, positions, mask)
+        keys, values = self.head.entry_kv(x[None], positions[None])
+        self._drafted = append_kv(self._drafted, (keys, values))
+        self._row[new] = self._nodes.shape[0] + torch.arange(new.shape[0])
+        self._nodes = torch.cat([self._nodes, new])
+        self._tokens = torch.cat([self._tokens, tree.tokens[new]])
+        self._hidden = torch.cat([self._hidden, hidden])
+        self.forwards += 1
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    description = "EAGLE-3-style autoregressive head: one forward per tree level, path-conditioned"
+    Params = EagleParams
+    default_tree_policy = "eagle-dynamic"
+    cost_shape = "per-depth"
+
+    def __init__(self, params: EagleParams, target: Target) -> None:
+        super().__init__(params, target)
+        folder = params.checkpoint or self.shipped_checkpoint(target)
+        info, state = load_checkpoint(folder, target, drafter=self.name)
+        self.head = self.head_from_architecture(info.architecture)
+        load_weights(self.head, state, folder)
+        self.head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.shared = FrozenTargetParts.from_target(target)
+        self.lm = DraftLMHead.build(self.shared.lm_head, self.head.draft_tokens)
+        self.checkpoint_info = info
+        self._cache = self.head.empty_cache()
+
+    # ------------------------------------------------------------------ construction
+    # Checkpoint lookup and the shipped recipe work exactly as for the jetflow drafter: the same
+    # functions, bound to this class (its module's folder, its name).
+    package_dir = classmethod(JetFlowDrafter.package_dir.__func__)
+    shipped_checkpoint = classmethod(JetFlowDrafter.shipped_checkpoint.__func__)
+    default_train_config = classmethod(JetFlowDrafter.default_train_config.__func__)
+
+    @classmethod
+    def head_from_architecture(cls, architecture: dict[str, Any]) -> EagleHead:
+        """Rebuild a head from a checkpoint's architecture record."""
+        try:
+            return EagleHead(EagleHeadConfig.model_validate(architecture))
+        except ValidationError as error:
+            raise DataError(f"unreadable {cls.name} head architecture: {error.errors()[0]['msg']}") from None
+
+    @classmethod
+    def new_head(cls, target: Target, options: dict[str, Any]) -> EagleHead:
+        """A freshly initialised head for ``target``; ``options`` override the derived sizes."""
+        try:
+            return EagleHead(EagleHeadConfig.for_target(target, **options))
+        except ValueError as error:
+            raise ConfigError(f"invalid head options for {cls.name}: {error}") from None
+
+    # ------------------------------------------------------------------ drafting
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.config.feature_layers
+
+    def reset(self) -> None:
+        self._cache = self.head.empty_cache()
+
+    @torch.inference_mode()
+    def begin(self, context: DraftContext) -> EagleSession:
+        if context.features is not None and context.features.shape[0]:
+            start = self._cache.length
+            next_tokens = context.tokens[start + 1 : start + 1 + context.features.shape[0]]
+            embeds = self.shared.embed(next_tokens.to(self.head.device))
+            self._cache = self.head.extend(self._cache, context.features, embeds)
+        if self._cache.length != context.n_processed or context.n_processed != context.tokens.shape[0] - 1:
+            raise RuntimeError(
+                f"{self.name} context out of step: {self._cache.length} tokens cached, the target "
+                f"processed {context.n_processed} of {context.tokens.shape[0]} (was reset() called?)"
+            )
+        return EagleSession(self.head, self.lm, self.shared, self._cache, self.params.max_depth)
+
+
+@hookimpl
+def jetflow_drafters() -> list[type]:
+    return [EagleDrafter]
