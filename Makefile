@@ -12,7 +12,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 
 STAMP = $(VENV)/.jetflow-setup
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup demo test test-fast bench ablation lint clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,18 @@ test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration"
 
 bench: setup
-	$(VENV)/bin/jetflow bench --drafters ngram --datasets champ,humaneval,mtbench --limit 20 \
-		--budgets 8,16,32 --max-new-tokens 128 --out bench/results/ngram
+	$(VENV)/bin/jetflow bench --config bench/configs/drafters.toml --out bench/results/drafters
+
+# The recipe ablation of issue 5: four short runs that differ in one thing each (same data,
+# steps and seed; no path conditioning, which a bidirectional block cannot have), then tau.
+ABLATION_TRAIN = --steps 300 --threads 1 --set head.path_conditioning=0 --resume
+ablation: setup
+	$(VENV)/bin/jetflow train --drafter jetflow --out runs/ablation/forward-kl $(ABLATION_TRAIN)
+	$(VENV)/bin/jetflow train --drafter jetflow --out runs/ablation/sft --set loss.kind=sft $(ABLATION_TRAIN)
+	$(VENV)/bin/jetflow train --drafter jetflow --out runs/ablation/reverse-kl --set loss.kind=reverse-kl $(ABLATION_TRAIN)
+	$(VENV)/bin/jetflow train --drafter dflash --config drafters/jetflow/train.toml \
+		--out runs/ablation/bidirectional $(ABLATION_TRAIN)
+	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --threads 1 --out bench/results/ablation
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -41,7 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", help="TOML file with GenerateConfig fields; flags override it")
     parser.add_argument("--target", help="'default', a local folder, a .gguf file or a cached hub id")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--drafter", help="drafter plugin name (default: the config's, else ngram)")
+    parser.add_argument(
+        "--drafter",
+        help="drafter plugin name (default: the config's, else jetflow if shipped, else ngram)",
+    )
     parser.add_argument("--tree-policy", help="tree policy plugin name (default: the drafter's)")
     parser.add_argument("--width", type=int, help="children proposed per expanded node")
     parser.add_argument("--max-depth", type=int, help="deepest tree level")
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     target = Target.load(config.target, resolve_dtype(config.dtype))
+    config = config.with_available_drafter(target)
     key = cal.key_for(config, target)
 
     calibration = None

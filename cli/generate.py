@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+import torch
 from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_toml, merge
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
@@ -37,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--threads", type=int, help="torch CPU threads (calibrations are kept per thread count)"
+    )
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--compare", action="store_true", help="also run the autoregressive baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -89,6 +93,10 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     config = config_from_args(args)
     target = Target.load(config.target, resolve_dtype(config.dtype))
     engine = Engine(config, target)

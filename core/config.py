@@ -6,17 +6,26 @@ Plugin names are checked against the registry and plugin parameters by the plugi
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from jetflow.core.errors import ConfigError, PluginNotFoundError
 from jetflow.core.precision import DtypeName
-from jetflow.core.registry import default_registry
+from jetflow.core.registry import Registry, default_registry
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+if TYPE_CHECKING:
+    from jetflow.core.target import Target
+
+log = logging.getLogger(__name__)
+
 NO_DRAFTER = "none"
-DEFAULT_DRAFTER = "ngram"
+#: the drafter when the config names none: the learned head shipped for the embedded target
+DEFAULT_DRAFTER = "jetflow"
+#: used instead when no drafter is named and the default has nothing for the target (no head)
+FALLBACK_DRAFTER = "ngram"
 AUTO_BUDGET = "auto"
 #: the budget when none is given and no calibration exists for the setup
 DEFAULT_BUDGET = 16
@@ -94,6 +103,18 @@ class GenerateConfig(_Frozen):
     @property
     def uses_drafter(self) -> bool:
         return self.drafter != NO_DRAFTER
+
+    def with_available_drafter(self, target: Target, registry: Registry | None = None) -> GenerateConfig:
+        """This config, with the fallback drafter if none was named and the default has nothing
+        for ``target`` (no head shipped for it); a drafter named explicitly is never swapped."""
+        if {"drafter", "drafter_params"} & self.model_fields_set or not self.uses_drafter:
+            return self
+        if (registry or default_registry()).get("drafter", self.drafter).available_for(target):
+            return self
+        log.info(
+            "no %s head for target %r: drafting with %s instead", self.drafter, target.name, FALLBACK_DRAFTER
+        )
+        return self.model_copy(update={"drafter": FALLBACK_DRAFTER})
 
 
 def _validate_params(plugin_cls: type, params: dict[str, Any], field: str) -> BaseModel:

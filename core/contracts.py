@@ -100,6 +100,11 @@ class Drafter(Plugin, ABC):
         """Target layers (1-based decoder-layer outputs) whose hidden states this drafter reads."""
         return ()
 
+    @classmethod
+    def available_for(cls, target: Target) -> bool:
+        """Whether the drafter can run on ``target`` with default parameters (e.g. a head is shipped)."""
+        return True
+
     def reset(self) -> None:
         """Forget per-sequence state; called before each new prompt."""
 

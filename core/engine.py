@@ -33,8 +33,9 @@ class Engine:
         registry: Registry | None = None,
     ) -> None:
         registry = registry or default_registry()
-        self.config = config
         self.target = target or Target.load(config.target, resolve_dtype(config.dtype))
+        config = config.with_available_drafter(self.target, registry)
+        self.config = config
         self.drafter: Drafter | None = None
         policy_name = config.tree.policy or "chain"
         if config.uses_drafter:

@@ -63,6 +63,11 @@ class BlockHeadConfig(BaseModel):
     draft_vocab_size: int | None = Field(
         None, ge=1, description="draft over the N most frequent response tokens only; None: full vocabulary"
     )
+    anchored_slots: bool = Field(
+        False,
+        description="add a projection of [anchor embedding ; last context feature] to every mask slot "
+        "(with one learned embedding per depth) instead of leaving all conditioning to attention",
+    )
     path_conditioning: float = Field(
         0.0,
         ge=0,
@@ -125,6 +130,8 @@ class ContextCache:
     """
 
     kv: tuple[KV, ...]
+    #: ``[H]`` fused feature of the last context token (zeros before any), for anchored slots
+    last_fused: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -145,7 +152,12 @@ class BlockHead(nn.Module):
         self.fusion = FeatureFusion(len(config.feature_layers), config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        slots = (config.block_size - 1,) if config.anchored_slots else ()
+        self.mask_embedding = nn.Parameter(torch.zeros(*slots, config.hidden_size))
+        hidden, anchored = config.hidden_size, config.anchored_slots
+        self.slot_proj = nn.Linear(2 * hidden, hidden, bias=False) if anchored else None
+        # Token embeddings are ~10x smaller than the normed fused features: normalise them first.
+        self.anchor_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps) if anchored else None
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         #: ``[N]`` vocabulary ids of the draft vocabulary (chosen by the trainer), or None
         self.draft_tokens: Tensor | None
@@ -192,17 +204,21 @@ class BlockHead(nn.Module):
         return torch.cat([ctx, blocks], dim=2)
 
     def block_inputs(
-        self, anchor_embeds: Tensor, revealed: tuple[Tensor, Tensor] | None = None
+        self,
+        anchor_embeds: Tensor,
+        revealed: tuple[Tensor, Tensor] | None = None,
+        last_fused: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Block embeddings ``[b, N*B, H]`` and their offsets from the anchor ``[N*B]``.
 
         ``anchor_embeds [b, N, H]``: slot 0 is the anchor, the rest the mask token, except
         that with ``revealed = (embeds [b, N, B-1, H], counts [b, N])`` slots ``1 .. count``
-        hold the embeddings of the true tokens there (path-conditioning training).
+        hold the embeddings of the true tokens there (path-conditioning training). With
+        ``anchored_slots``, ``last_fused [b, N, H]`` is the fused feature before each anchor.
         """
         b, n, hidden = anchor_embeds.shape
         size = self.config.block_size
-        masks = self.mask_embedding.expand(b, n, size - 1, hidden)
+        masks = self.mask_slots(anchor_embeds, last_fused).expand(b, n, size - 1, hidden)
         if revealed is not None:
             embeds, counts = revealed
             shown = torch.arange(1, size, device=counts.device) <= counts[..., None]  # [b, N, B-1]
@@ -211,9 +227,34 @@ class BlockHead(nn.Module):
         offsets = torch.arange(size, device=anchor_embeds.device).repeat(n)
         return block.reshape(b, n * size, hidden), offsets
 
+    def mask_slots(self, anchor_embeds: Tensor, last_fused: Tensor | None) -> Tensor:
+        """Inputs of the mask slots: ``[b, N, 1 or B-1, H]``.
+
+        Plain: the one mask token. Anchored: a learned embedding per depth plus a projection
+        of ``[anchor embedding ; fused feature of the token before the anchor]``, so every
+        slot starts from what an EAGLE query sees instead of fetching it through attention.
+        """
+        if self.slot_proj is None:
+            return self.mask_embedding.expand(*anchor_embeds.shape[:2], 1, -1)
+        if last_fused is None:
+            raise ValueError("anchored slots need the fused feature before each anchor")
+        anchor = self.anchor_norm(anchor_embeds.to(self.dtype))
+        summary = self.slot_proj(torch.cat([anchor, last_fused.to(self.dtype)], dim=-1))
+        return self.mask_embedding + summary[:, :, None]
+
+    def fused_before(self, fused: Tensor, anchors: Tensor) -> Tensor | None:
+        """``[b, N, H]`` fused feature of the token before each anchor (zeros at anchor 0)."""
+        if self.slot_proj is None:
+            return None
+        before = fused.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, fused.shape[-1]))
+        return before * (anchors > 0)[..., None]
+
     def context_kv(self, features: Tensor, start: int = 0) -> tuple[KV, ...]:
         """Per-layer keys/values of ``features [b, c, k, H]`` at positions ``start ..``."""
-        fused = self.fusion(features.to(self.dtype))
+        return self.context_kv_of(self.fusion(features.to(self.dtype)), start)
+
+    def context_kv_of(self, fused: Tensor, start: int = 0) -> tuple[KV, ...]:
+        """Per-layer keys/values of already ``fused [b, c, H]`` features at positions ``start ..``."""
         positions = start + torch.arange(fused.shape[1], device=fused.device)
         rotary = self.rotary(positions.expand(fused.shape[0], -1))
         return tuple(layer.context_kv(fused, rotary) for layer in self.layers)
@@ -244,8 +285,9 @@ class BlockHead(nn.Module):
         """
         b, n = anchors.shape
         size = self.config.block_size
-        context = self.context_kv(features)
-        x, offsets = self.block_inputs(anchor_embeds, revealed)
+        fused = self.fusion(features.to(self.dtype))
+        context = self.context_kv_of(fused)
+        x, offsets = self.block_inputs(anchor_embeds, revealed, self.fused_before(fused, anchors))
         positions = anchors.repeat_interleave(size, dim=1) + offsets
         hidden = self.block_hidden(x, positions, context, self.block_mask(anchors, features.shape[1]))
         return hidden.view(b, n, size, -1)[:, :, 1:]
@@ -282,26 +324,33 @@ class BlockHead(nn.Module):
     def empty_cache(self) -> ContextCache:
         c = self.config
         empty = torch.zeros(1, c.num_kv_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
-        return ContextCache(tuple((empty, empty) for _ in self.layers))
+        last = torch.zeros(c.hidden_size, dtype=self.dtype, device=self.device)
+        return ContextCache(tuple((empty, empty) for _ in self.layers), last)
 
     def extend(self, cache: ContextCache, features: Tensor) -> ContextCache:
         """Append newly processed tokens' ``features [n, k, H]``: only they are projected."""
         if features.shape[0] == 0:
             return cache
-        new = self.context_kv(features[None].to(self.device), start=cache.length)
+        fused = self.fusion(features[None].to(device=self.device, dtype=self.dtype))
+        new = self.context_kv_of(fused, start=cache.length)
         return ContextCache(
             tuple(
                 (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
                 for (k, v), (nk, nv) in zip(cache.kv, new, strict=True)
-            )
+            ),
+            fused[0, -1],
         )
 
     def draft(self, cache: ContextCache, anchor_embed: Tensor) -> Tensor:
         """One decoding step: ``anchor_embed [H]`` at position ``cache.length`` -> ``[D, H]``."""
         anchors = torch.tensor([[cache.length]], device=self.device)
-        x, offsets = self.block_inputs(anchor_embed.reshape(1, 1, -1))
+        x, offsets = self.block_inputs(anchor_embed.reshape(1, 1, -1), last_fused=self._last(cache))
         mask = self.block_mask(anchors, cache.length)
         return self.block_hidden(x, (cache.length + offsets)[None], cache.kv, mask)[0, 1:]
+
+    def _last(self, cache: ContextCache) -> Tensor | None:
+        """The cache's last fused feature as ``[1, 1, H]`` when the slots need it."""
+        return None if self.slot_proj is None else cache.last_fused.reshape(1, 1, -1)
 
     def refresh(self, cache: ContextCache, node_embeds: Tensor, depths: Tensor, ancestors: Tensor) -> Tensor:
         """Path-conditioned children of every node of a draft tree in one pass: ``[n, H]``.
@@ -315,7 +364,8 @@ class BlockHead(nn.Module):
         """
         n = node_embeds.shape[0]
         length = cache.length
-        queries = self.mask_embedding.expand(n, -1)
+        slots = self.mask_slots(node_embeds[:1].reshape(1, 1, -1), self._last(cache))[0, 0]  # [1 or D, H]
+        queries = slots[depths.clamp(max=slots.shape[0] - 1).to(self.device)]  # depth d asks slot d + 1
         x = torch.cat([node_embeds.to(self.dtype), queries])[None]
         positions = length + torch.cat([depths, depths + 1]).to(self.device)[None]
         ancestors = ancestors.to(self.device)

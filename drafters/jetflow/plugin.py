@@ -185,10 +185,14 @@ class JetFlowDrafter(Drafter):
         return Path(sys.modules[cls.__module__].__file__).parent
 
     @classmethod
+    def available_for(cls, target: Target) -> bool:
+        return (cls.package_dir() / "checkpoints" / target.name / "config.json").is_file()
+
+    @classmethod
     def shipped_checkpoint(cls, target: Target) -> Path:
         """The head shipped for ``target`` (by its name), or a clear error if there is none."""
         folder = cls.package_dir() / "checkpoints" / target.name
-        if not (folder / "config.json").is_file():
+        if not cls.available_for(target):
             raise JetflowError(
                 f"no {cls.name} head is shipped for target {target.name!r}; train one with "
                 f"`jetflow train --drafter {cls.name} --config FILE` and pass "

@@ -141,3 +141,12 @@ def test_stop_string_ends_generation_right_after_it(tiny_llama: Target) -> None:
     result = engine.generate(prompt)
     assert result.token_ids == expected[: first + 1]
     assert result.finish_reason == "stop"
+
+
+def test_the_default_drafter_falls_back_to_ngram_where_no_head_is_shipped(tiny_llama: Target) -> None:
+    from jetflow.core.config import DEFAULT_DRAFTER, FALLBACK_DRAFTER
+    from jetflow.core.errors import JetflowError
+
+    assert _engine(tiny_llama).config.drafter == FALLBACK_DRAFTER != DEFAULT_DRAFTER
+    with pytest.raises(JetflowError, match="no jetflow head is shipped"):
+        _engine(tiny_llama, drafter=DEFAULT_DRAFTER)  # asked for by name: no silent fallback

@@ -33,10 +33,12 @@ def _inference(head: BlockHead, shared: FrozenTargetParts, record, anchor: int) 
     return head.draft(cache, shared.embed(tokens[anchor]))
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("causal", "anchored"), [(True, False), (False, False), (True, True), (False, True)])
 @torch.no_grad()
-def test_training_forward_equals_inference_for_every_anchor(tiny_llama, records, causal: bool) -> None:
-    head = tiny_head(tiny_llama, causal=causal, num_layers=2).eval()
+def test_training_forward_equals_inference_for_every_anchor(
+    tiny_llama, records, causal: bool, anchored: bool
+) -> None:
+    head = tiny_head(tiny_llama, causal=causal, num_layers=2, anchored_slots=anchored).eval()
     shared = FrozenTargetParts.from_target(tiny_llama)
     anchors = [torch.tensor([0, 5, 11, 17, 23]), torch.tensor([3, 9, 16])]
     batch = collate(records, anchors, torch.float32)

@@ -43,10 +43,11 @@ def _random_tree(root: int, size: int, seed: int) -> DraftTree:
     return tree
 
 
+@pytest.mark.parametrize("anchored", [False, True])
 @torch.no_grad()
-def test_refresh_equals_a_training_block_with_the_path_revealed(tiny_llama, record) -> None:
+def test_refresh_equals_a_training_block_with_the_path_revealed(tiny_llama, record, anchored: bool) -> None:
     """A node's refreshed children are what training taught: its path shown, the next slot asked."""
-    head = tiny_head(tiny_llama, num_layers=2, path_conditioning=0.5).eval()
+    head = tiny_head(tiny_llama, num_layers=2, path_conditioning=0.5, anchored_slots=anchored).eval()
     shared = FrozenTargetParts.from_target(tiny_llama)
     tokens, _, features, _ = record
     anchor = 17

@@ -50,3 +50,44 @@ def test_the_shipped_recipe_is_a_valid_config() -> None:
 
     config = TrainConfig.from_toml(JetFlowDrafter.default_train_config())
     assert config.drafter == "jetflow" and config.loss.kind == "forward-kl"
+
+
+def test_set_overrides_nested_values_and_a_typo_is_a_clear_error(
+    tiny_world, tiny_llama, tmp_path, capsys
+) -> None:
+    config = tmp_path / "train.toml"
+    config.write_text(
+        "steps = 50\nbatch_sequences = 2\nanchors_per_sequence = 8\nholdout_sequences = 4\n"
+        "[head]\nnum_layers = 1\nblock_size = 4\nfeature_layers = [1, 2, 3]\n"
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--drafter", "jetflow", "--config", str(config), "--out", str(out), "--json"]
+    settings = [
+        "--set",
+        "steps=3",
+        "--set",
+        "loss.kind=sft",
+        "--set",
+        "head.block_size=3",
+        "--set",
+        "max_sequences=10",
+    ]
+    assert cli.main([*argv, *settings]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    info, _ = load_checkpoint(summary["checkpoint"], tiny_llama, drafter="jetflow")
+    assert summary["steps"] == 3 and info.recipe["loss"]["kind"] == "sft"
+    assert info.architecture["block_size"] == 3
+    assert info.data["train_sequences"] + info.data["holdout_sequences"] == 10
+    assert cli.main([*argv, "--set", "loss.kind=kl"]) == 2
+    assert "loss.kind" in capsys.readouterr().err
+    assert cli.main([*argv, "--set", "nonsense"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_parse_settings_reads_toml_values_and_bare_words() -> None:
+    assert train_cli.parse_settings(["a.b=3", "a.c=true", "d=[1, 2]", "e=sft", 'f="x y"']) == {
+        "a": {"b": 3, "c": True},
+        "d": [1, 2],
+        "e": "sft",
+        "f": "x y",
+    }
