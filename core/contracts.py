@@ -80,6 +80,16 @@ class DistributionSession(DraftSession, Protocol):
         ...
 
 
+class RefinableSession(DraftSession, Protocol):
+    """A session that can condition a second pass on the tree built from its first answers.
+
+    The engine builds a tree, passes it to ``refine`` and rebuilds the tree with the same
+    policy from the session returned (e.g. JetFlow's path-conditioned refresh).
+    """
+
+    def refine(self, tree: DraftTree) -> DraftSession: ...
+
+
 CostShape = Literal["parallel", "per-depth", "free"]
 
 

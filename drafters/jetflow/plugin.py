@@ -13,6 +13,7 @@ is this class with ``causal = False``, another ``name`` and its own checkpoints.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -98,6 +99,23 @@ class PerDepthSession:
         rows = depths.clamp(max=values.shape[0] - 1)
         logprobs = values[rows].masked_fill((depths >= values.shape[0])[:, None], float("-inf"))
         return tokens[rows], logprobs
+
+
+class RefreshableSession(PerDepthSession):
+    """A per-depth session that the engine may ``refine``: the drafter's refresh pass over a tree."""
+
+    def __init__(
+        self,
+        logprobs: Tensor,
+        vocab: Tensor | None,
+        vocab_size: int,
+        refresh: Callable[[PerDepthSession, DraftTree], PathConditionedSession],
+    ) -> None:
+        super().__init__(logprobs, vocab, vocab_size)
+        self._refresh = refresh
+
+    def refine(self, tree: DraftTree) -> PathConditionedSession:
+        return self._refresh(self, tree)
 
 
 class PathConditionedSession:
@@ -248,10 +266,10 @@ class JetFlowDrafter(Drafter):
             )
         root = context.tokens[-1].to(self.head.device)
         hidden = self.head.draft(self._cache, self.shared.embed(root))  # [D, H]
-        session = PerDepthSession(self._logprobs(hidden), self._vocab, self.target.vocab_size)
+        logprobs = self._logprobs(hidden)
         if self.params.refresh:
-            session.refine = lambda tree: self.refresh(session, tree)
-        return session
+            return RefreshableSession(logprobs, self._vocab, self.target.vocab_size, refresh=self.refresh)
+        return PerDepthSession(logprobs, self._vocab, self.target.vocab_size)
 
     @property
     def _vocab(self) -> Tensor | None:

@@ -42,3 +42,30 @@ def test_speculative_output_equals_generate_fp32(
         assert result.token_ids == expected, f"{sample_id}: speculative output differs from generate"
         accepted += sum(step.accepted for step in result.steps)
     assert accepted > 0, "the drafter never got a token accepted: trees were not exercised"
+
+
+@pytest.mark.parametrize(
+    ("drafter", "policy", "budget", "params"),
+    [
+        ("jetflow", "best-first", 16, {}),
+        ("jetflow", "best-first", 16, {"refresh": True}),
+        ("dflash", "chain", 7, {}),
+        ("eagle", "eagle-dynamic", 16, {}),
+    ],
+)
+def test_shipped_heads_are_lossless_fp32(
+    real_target: Target, cases, drafter: str, policy: str, budget: int, params: dict
+) -> None:
+    """Every shipped learned head, on four of the prompts (two HumanEval, two MT-Bench)."""
+    fields = {"drafter": drafter, "drafter_params": params, "tree": {"policy": policy, "budget": budget}}
+    engine = Engine(build_config(GenerateConfig, fields | {"max_new_tokens": NEW_TOKENS}), real_target)
+    accepted = 0
+    for sample_id, ids, expected in cases[::3]:
+        result = engine.generate(ids)
+        assert result.token_ids == expected, f"{sample_id}: {drafter} output differs from generate"
+        accepted += sum(step.accepted for step in result.steps)
+    assert accepted > 0, f"{drafter} never got a token accepted"
+
+
+def test_jetflow_is_the_default_drafter_for_the_embedded_target(real_target: Target) -> None:
+    assert Engine(GenerateConfig(), real_target).config.drafter == "jetflow"
