@@ -8,24 +8,12 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
 import torch
 import transformers
-from jetflow.core.precision import default_device, has_native_bf16
+from jetflow.core.precision import cpu_model, default_device, has_native_bf16
 
 from jetflow import __version__
-
-
-def _cpu_model() -> str:
-    """The processor's marketing name (Linux), else whatever ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def describe_machine() -> dict[str, object]:
@@ -33,7 +21,7 @@ def describe_machine() -> dict[str, object]:
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device.type,

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shlex
 import statistics
 import time
@@ -41,7 +40,7 @@ import torch
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import Drafter, TreePolicy, Verifier
 from jetflow.core.errors import ConfigError
-from jetflow.core.precision import dtype_name
+from jetflow.core.precision import cpu_model, dtype_name
 from jetflow.core.target import DEFAULT_TARGET, Target, cache_root
 from jetflow.core.tree import DraftTree
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -98,7 +97,7 @@ class MachineKey(_Frozen):
     def current(cls, device: torch.device) -> MachineKey:
         accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return cls(
-            cpu=_cpu_model(),
+            cpu=cpu_model(),
             device=device.type,
             accelerator=accelerator,
             torch_threads=torch.get_num_threads(),
@@ -552,17 +551,6 @@ def _verify_tree(context: torch.Tensor, size: int, width: int) -> DraftTree:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _cpu_model() -> str:
-    """The processor's name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _target_name(name: str) -> str:

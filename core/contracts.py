@@ -53,6 +53,14 @@ class DraftContext:
     features: Tensor | None
     n_processed: int
 
+    def check_in_step(self, cached: int, drafter: str) -> None:
+        """Fail loudly if a drafter's per-token cache (``cached`` tokens) lost step with the target."""
+        if cached != self.n_processed or self.n_processed != self.tokens.shape[0] - 1:
+            raise RuntimeError(
+                f"{drafter} context out of step: {cached} tokens cached, the target "
+                f"processed {self.n_processed} of {self.tokens.shape[0]} (was reset() called?)"
+            )
+
 
 class DraftSession(Protocol):
     """Answers next-token proposals for nodes of one step's tree."""

@@ -6,6 +6,8 @@ recent GPU); elsewhere it is emulated and slower than fp32, so ``auto`` falls ba
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -43,3 +45,14 @@ def resolve_dtype(name: DtypeName | str, device: torch.device | None = None) -> 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def cpu_model() -> str:
+    """The processor's name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from jetflow.drafters.blocks import KV, AttentionShape, DecoderLayer, FeatureFusion, Rotary, init_weights
+from jetflow.drafters.blocks import (
+    KV,
+    AttentionShape,
+    DecoderLayer,
+    FeatureFusion,
+    Rotary,
+    init_weights,
+    register_draft_vocabulary,
+)
 from jetflow.drafters.training.examples import ExampleBatch, Predictions
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
@@ -161,10 +169,7 @@ class BlockHead(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         #: ``[N]`` vocabulary ids of the draft vocabulary (chosen by the trainer), or None
         self.draft_tokens: Tensor | None
-        if config.draft_vocab_size is None:
-            self.draft_tokens = None
-        else:
-            self.register_buffer("draft_tokens", torch.arange(config.draft_vocab_size))
+        register_draft_vocabulary(self, config.draft_vocab_size)
         init_weights(self)
         nn.init.normal_(self.mask_embedding, std=0.02)
 

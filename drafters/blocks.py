@@ -232,3 +232,12 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.normal_(sub.weight, std=std)
         elif isinstance(sub, nn.RMSNorm):
             nn.init.ones_(sub.weight)
+
+
+def register_draft_vocabulary(module: nn.Module, size: int | None) -> None:
+    """Give a head its ``draft_tokens`` buffer: ``[size]`` vocabulary ids (the trainer fills
+    them from response-token frequencies and they are saved with the weights), or None."""
+    if size is None:
+        module.draft_tokens = None
+    else:
+        module.register_buffer("draft_tokens", torch.arange(size))

@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from jetflow.core.contracts import DraftContext, Drafter
+from jetflow.core.contracts import DraftContext
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
 from jetflow.drafters.eagle.head import EagleCache, EagleHead, EagleHeadConfig, append_kv
-from jetflow.drafters.jetflow.plugin import JetFlowDrafter
-from jetflow.drafters.training.checkpoint import load_checkpoint, load_weights
+from jetflow.drafters.learned import LearnedDrafter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
@@ -142,31 +141,12 @@ class EagleSession:
         self.forwards += 1
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(LearnedDrafter):
     name = "eagle"
     description = "EAGLE-3-style autoregressive head: one forward per tree level, path-conditioned"
     Params = EagleParams
     default_tree_policy = "eagle-dynamic"
     cost_shape = "per-depth"
-
-    def __init__(self, params: EagleParams, target: Target) -> None:
-        super().__init__(params, target)
-        folder = params.checkpoint or self.shipped_checkpoint(target)
-        info, state = load_checkpoint(folder, target, drafter=self.name)
-        self.head = self.head_from_architecture(info.architecture)
-        load_weights(self.head, state, folder)
-        self.head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.shared = FrozenTargetParts.from_target(target)
-        self.lm = DraftLMHead.build(self.shared.lm_head, self.head.draft_tokens)
-        self.checkpoint_info = info
-        self._cache = self.head.empty_cache()
-
-    # ------------------------------------------------------------------ construction
-    # Checkpoint lookup and the shipped recipe work exactly as for the jetflow drafter: the same
-    # functions, bound to this class (its module's folder, its name).
-    package_dir = classmethod(JetFlowDrafter.package_dir.__func__)
-    shipped_checkpoint = classmethod(JetFlowDrafter.shipped_checkpoint.__func__)
-    default_train_config = classmethod(JetFlowDrafter.default_train_config.__func__)
 
     @classmethod
     def head_from_architecture(cls, architecture: dict[str, Any]) -> EagleHead:
@@ -185,13 +165,6 @@ class EagleDrafter(Drafter):
             raise ConfigError(f"invalid head options for {cls.name}: {error}") from None
 
     # ------------------------------------------------------------------ drafting
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.head.config.feature_layers
-
-    def reset(self) -> None:
-        self._cache = self.head.empty_cache()
-
     @torch.inference_mode()
     def begin(self, context: DraftContext) -> EagleSession:
         if context.features is not None and context.features.shape[0]:
@@ -199,11 +172,7 @@ class EagleDrafter(Drafter):
             next_tokens = context.tokens[start + 1 : start + 1 + context.features.shape[0]]
             embeds = self.shared.embed(next_tokens.to(self.head.device))
             self._cache = self.head.extend(self._cache, context.features, embeds)
-        if self._cache.length != context.n_processed or context.n_processed != context.tokens.shape[0] - 1:
-            raise RuntimeError(
-                f"{self.name} context out of step: {self._cache.length} tokens cached, the target "
-                f"processed {context.n_processed} of {context.tokens.shape[0]} (was reset() called?)"
-            )
+        context.check_in_step(self._cache.length, self.name)
         return EagleSession(self.head, self.lm, self.shared, self._cache, self.params.max_depth)
 
 

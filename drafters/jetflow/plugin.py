@@ -5,33 +5,28 @@ cache and runs one block forward from the root; the session then answers ``child
 any node from the per-depth distributions (top-k of depth ``d + 1`` for a node at depth
 ``d``), so a policy may build a tree of any budget at no extra head cost.
 
-The checkpoint defaults to the head shipped for the target under
-``checkpoints/<target name>/`` beside the plugin module. A bidirectional variant (DFlash)
-is this class with ``causal = False``, another ``name`` and its own checkpoints.
+Checkpoints are found as for every learned drafter (:mod:`jetflow.drafters.learned`). A
+bidirectional variant (DFlash) is this class with ``causal = False``, another ``name`` and its
+own checkpoints.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from jetflow.core.contracts import DraftContext, Drafter
-from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError, JetflowError
+from jetflow.core.contracts import DraftContext
+from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
-from jetflow.drafters.block_head import BlockHead, BlockHeadConfig, ContextCache
-from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
-from jetflow.drafters.training.checkpoint import load_checkpoint, load_weights
+from jetflow.drafters.block_head import BlockHead, BlockHeadConfig
+from jetflow.drafters.learned import LearnedDrafter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
 if TYPE_CHECKING:
     from jetflow.core.target import Target
-
-DEFAULT_TRAIN_CONFIG = "train.toml"
 
 
 class BlockHeadParams(BaseModel):
@@ -172,7 +167,7 @@ class PathConditionedSession:
         return probs
 
 
-class JetFlowDrafter(Drafter):
+class JetFlowDrafter(LearnedDrafter):
     name = "jetflow"
     description = "causal parallel block head: one forward drafts a distribution per depth"
     Params = BlockHeadParams
@@ -183,45 +178,11 @@ class JetFlowDrafter(Drafter):
 
     def __init__(self, params: BlockHeadParams, target: Target) -> None:
         super().__init__(params, target)
-        folder = Path(params.checkpoint) if params.checkpoint else self.shipped_checkpoint(target)
-        info, state = load_checkpoint(folder, target, drafter=self.name)
-        self.head = self.head_from_architecture(info.architecture)
-        load_weights(self.head, state, folder)
-        self.head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.shared = FrozenTargetParts.from_target(target)
-        self.lm = DraftLMHead.build(self.shared.lm_head, self.head.draft_tokens)
-        self.checkpoint_info = info
         if params.refresh and not self.head.config.path_conditioning:
             raise ConfigError(
-                f"refresh needs a {self.name} head trained with path_conditioning > 0; {folder} was not"
+                f"refresh needs a {self.name} head trained with path_conditioning > 0; "
+                f"{self.checkpoint} was not"
             )
-        self._cache: ContextCache = self.head.empty_cache()
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def package_dir(cls) -> Path:
-        return Path(sys.modules[cls.__module__].__file__).parent
-
-    @classmethod
-    def available_for(cls, target: Target) -> bool:
-        return (cls.package_dir() / "checkpoints" / target.name / "config.json").is_file()
-
-    @classmethod
-    def shipped_checkpoint(cls, target: Target) -> Path:
-        """The head shipped for ``target`` (by its name), or a clear error if there is none."""
-        folder = cls.package_dir() / "checkpoints" / target.name
-        if not cls.available_for(target):
-            raise JetflowError(
-                f"no {cls.name} head is shipped for target {target.name!r}; train one with "
-                f"`jetflow train --drafter {cls.name} --config FILE` and pass "
-                f"drafter_params.checkpoint=FOLDER"
-            )
-        return folder
-
-    @classmethod
-    def default_train_config(cls) -> Path:
-        """The training recipe shipped with the drafter."""
-        return cls.package_dir() / DEFAULT_TRAIN_CONFIG
 
     @classmethod
     def head_from_architecture(cls, architecture: dict[str, Any]) -> BlockHead:
@@ -248,22 +209,11 @@ class JetFlowDrafter(Drafter):
         return BlockHead(config)
 
     # ------------------------------------------------------------------ drafting
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.head.config.feature_layers
-
-    def reset(self) -> None:
-        self._cache = self.head.empty_cache()
-
     @torch.inference_mode()
     def begin(self, context: DraftContext) -> PerDepthSession:
         if context.features is not None:
             self._cache = self.head.extend(self._cache, context.features.to(self.head.dtype))
-        if self._cache.length != context.n_processed or context.n_processed != context.tokens.shape[0] - 1:
-            raise RuntimeError(
-                f"{self.name} context out of step: {self._cache.length} tokens cached, the target "
-                f"processed {context.n_processed} of {context.tokens.shape[0]} (was reset() called?)"
-            )
+        context.check_in_step(self._cache.length, self.name)
         root = context.tokens[-1].to(self.head.device)
         hidden = self.head.draft(self._cache, self.shared.embed(root))  # [D, H]
         logprobs = self._logprobs(hidden)
