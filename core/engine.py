@@ -102,18 +102,7 @@ class Engine:
         finish: FinishReason | None = None
         while finish is None:
             t0 = time.perf_counter()
-            tree = DraftTree.root(int(tokens[-1]))
-            forwards = 0
-            if self.drafter:
-                context = DraftContext(tokens, features, cache.get_seq_length())
-                session = self.drafter.begin(context)
-                first = self.policy.build(session, tree, self.shape)
-                refine = getattr(session, "refine", None)
-                if refine is not None:  # a second pass conditioned on the first tree, rebuilt
-                    session = refine(first)
-                    first = self.policy.build(session, tree, self.shape)
-                tree = first
-                forwards = int(getattr(session, "forwards", 0))  # drafter forwards this step
+            tree, forwards = self._draft(DraftContext(tokens, features, cache.get_seq_length()))
             t1 = time.perf_counter()
             n_cached = cache.get_seq_length()
             out = self.target.verify(cache, tree, layers)
@@ -137,6 +126,23 @@ class Engine:
             budget=self.budget,
             steps=steps,
         )
+
+    def _draft(self, context: DraftContext) -> tuple[DraftTree, int]:
+        """This step's tree and the drafter forwards it cost (the root alone without a drafter).
+
+        A session offering ``refine`` gets the built tree back and the policy builds again
+        from the refined session (e.g. JetFlow's path-conditioned refresh).
+        """
+        root = DraftTree.root(int(context.tokens[-1]))
+        if self.drafter is None:
+            return root, 0
+        session = self.drafter.begin(context)
+        tree = self.policy.build(session, root, self.shape)
+        refine = getattr(session, "refine", None)
+        if refine is not None:
+            session = refine(tree)
+            tree = self.policy.build(session, root, self.shape)
+        return tree, int(getattr(session, "forwards", 0))
 
     def _truncate(
         self, done: list[int], emitted: list[int], limit: int
