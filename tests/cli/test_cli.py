@@ -74,9 +74,10 @@ def test_generate_json_on_the_real_target(capsys) -> None:
     assert isinstance(payload["text"], str) and payload["text"]
     assert len(payload["token_ids"]) == payload["stats"]["new_tokens"] <= 12
     assert {"new_tokens", "steps", "tau", "tokens_per_s", "wall_s"} <= set(payload["stats"])
-    assert payload["stats"]["tau"] == pytest.approx(
-        payload["stats"]["new_tokens"] / payload["stats"]["steps"]
+    assert payload["stats"]["tau"] == pytest.approx(  # stats are rounded to 4 decimals
+        payload["stats"]["new_tokens"] / payload["stats"]["steps"], abs=1e-4
     )
+    assert isinstance(payload["stats"]["budget"], int)  # resolved, even when calibrated
     assert payload["identical_to_baseline"] is True
 
 
