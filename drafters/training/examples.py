@@ -140,7 +140,7 @@ class ExampleBatch:
         ``positions = anchor + depth``; valid when the token there exists, the teacher
         state before it exists, and the anchor is real.
         """
-        depths = torch.arange(1, max_depth + 1)
+        depths = torch.arange(1, max_depth + 1, device=self.anchors.device)
         positions = self.anchors[..., None] + depths  # [b, N, D]
         valid = (
             self.anchor_valid[..., None]
