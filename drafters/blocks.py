@@ -225,6 +225,28 @@ class DraftLMHead:
         return lookup[token_ids]
 
 
+def top_proposals(logprobs: Tensor, k: int, vocab: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The ``k`` best columns of ``logprobs [f, N]`` as token ids: ``(tokens [f, k], logprobs [f, k])``.
+
+    ``vocab [N]`` maps draft-vocabulary columns to ids (None: columns are ids); when ``N < k``
+    the missing proposals get ``-inf`` (absent), as the session contract asks.
+    """
+    values, columns = logprobs.topk(min(k, logprobs.shape[1]), dim=1)
+    tokens = columns if vocab is None else vocab[columns]
+    if values.shape[1] < k:
+        values = F.pad(values, (0, k - values.shape[1]), value=float("-inf"))
+        tokens = F.pad(tokens, (0, k - tokens.shape[1]))
+    return tokens, values
+
+
+def full_vocabulary(probs: Tensor, vocab: Tensor | None, vocab_size: int) -> Tensor:
+    """Probabilities over a draft vocabulary ``[f, N]`` -> over the target's ``[f, vocab_size]``."""
+    if vocab is None and probs.shape[1] == vocab_size:
+        return probs
+    columns = torch.arange(probs.shape[1], device=probs.device) if vocab is None else vocab.to(probs.device)
+    return probs.new_zeros(probs.shape[0], vocab_size).index_copy_(1, columns, probs)
+
+
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     """Normal(0, std) for every linear layer, ones for norms: the usual decoder initialisation."""
     for sub in module.modules():

@@ -21,7 +21,7 @@ from jetflow.core.contracts import DraftContext
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
-from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
+from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts, full_vocabulary, top_proposals
 from jetflow.drafters.eagle.head import EagleCache, EagleHead, EagleHeadConfig, append_kv
 from jetflow.drafters.learned import LearnedDrafter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -79,24 +79,17 @@ class EagleSession:
         if logprobs is None:  # no committed entry yet (a one-token prompt): nothing to draft
             none = torch.full((nodes.shape[0], k), -torch.inf)
             return torch.zeros(none.shape, dtype=torch.long), none
-        values, columns = logprobs.topk(min(k, logprobs.shape[1]), dim=1)
-        tokens = self.lm.token_ids(columns).cpu()
-        values = values.cpu()
-        if values.shape[1] < k:
-            values = F.pad(values, (0, k - values.shape[1]), value=-torch.inf)
-            tokens = F.pad(tokens, (0, k - tokens.shape[1]))
-        return tokens, values
+        tokens, values = top_proposals(logprobs, k, self.lm.tokens)
+        return tokens.cpu(), values.cpu()
 
     @torch.inference_mode()
     def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
         """``[f, vocab]`` next-token probabilities over the target's vocabulary (for sampled trees)."""
-        vocab = int(self.shared.lm_head.weight.shape[0])
-        probs = torch.zeros(nodes.shape[0], vocab)
+        vocab_size = int(self.shared.lm_head.weight.shape[0])
         logprobs = self._logprobs(tree, nodes)
-        if logprobs is not None:
-            columns = torch.arange(self.lm.size, device=logprobs.device)
-            probs[:, self.lm.token_ids(columns).cpu()] = logprobs.exp().cpu()
-        return probs
+        if logprobs is None:
+            return torch.zeros(nodes.shape[0], vocab_size)
+        return full_vocabulary(logprobs.exp(), self.lm.tokens, vocab_size).cpu()
 
     def _logprobs(self, tree: DraftTree, nodes: Tensor) -> Tensor | None:
         """``[f, N]`` float32 log-probabilities over the draft vocabulary; None before any entry."""

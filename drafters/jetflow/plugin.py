@@ -21,6 +21,7 @@ from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
 from jetflow.drafters.block_head import BlockHead, BlockHeadConfig
+from jetflow.drafters.blocks import full_vocabulary, top_proposals
 from jetflow.drafters.learned import LearnedDrafter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
@@ -65,10 +66,7 @@ class PerDepthSession:
 
     def full_vocabulary(self, rows: Tensor) -> Tensor:
         """Probabilities over the draft vocabulary ``[f, N]`` -> over the full one ``[f, V]``."""
-        if self.vocab is None and rows.shape[1] == self.vocab_size:
-            return rows
-        columns = torch.arange(rows.shape[1]) if self.vocab is None else self.vocab
-        return rows.new_zeros(rows.shape[0], self.vocab_size).index_copy_(1, columns, rows)
+        return full_vocabulary(rows, self.vocab, self.vocab_size)
 
     def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
         """``[f, V]`` next-token probabilities (the next depth's row); zero below the last depth."""
@@ -79,12 +77,7 @@ class PerDepthSession:
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
         """Top-``k`` per depth as token ids, computed once per ``k``: ``([D, k], [D, k])``."""
         if k not in self._top:
-            values, columns = self.logprobs.topk(min(k, self.logprobs.shape[1]), dim=1)
-            tokens = columns if self.vocab is None else self.vocab[columns]
-            if values.shape[1] < k:
-                pad = k - values.shape[1]
-                values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
-                tokens = torch.nn.functional.pad(tokens, (0, pad))
+            tokens, values = top_proposals(self.logprobs, k, self.vocab)
             self._top[k] = (values, tokens)
         return self._top[k]
 
