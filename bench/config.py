@@ -112,6 +112,12 @@ class BenchConfig(_Frozen):
     threads: int | None = Field(
         None, ge=1, description="torch CPU threads (None: torch's default); fewer can win on a busy machine"
     )
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        description="0: greedy, checked token by token against ar; > 0: every method samples at this "
+        "temperature (the `sampling` verifier, seeded by `seed`)",
+    )
     seed: int = 0
     out: str = Field("results", description="folder for results.json, report.md and the plots")
 
@@ -158,6 +164,16 @@ class BenchConfig(_Frozen):
         """The drafter's parameters for a run: ``drafter_params`` with the variant's laid over."""
         params = dict(self.drafter_params.get(spec.drafter, {}))
         return params | (self.variants[spec.variant].params if spec.variant else {})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def verifier_fields(self) -> dict[str, Any]:
+        """The GenerateConfig fields that choose the verifier for this run's temperature."""
+        if self.greedy:
+            return {"verifier": "greedy"}
+        return {"verifier": "sampling", "verifier_params": {"temperature": self.temperature}}
 
     def tree_config(self, spec: DrafterSpec, budget: int | str) -> TreeConfig:
         return TreeConfig(

@@ -109,18 +109,27 @@ def _timed_candidates(enabled: bool) -> Iterator[_Stopwatch]:
 
 
 class HFGenerateMethod:
-    """Greedy ``target.model.generate``; with ``prompt_lookup_num_tokens`` it is HF's prompt lookup."""
+    """``target.model.generate``, greedy or (``temperature`` > 0) pure sampling at that temperature;
+    with ``prompt_lookup_num_tokens`` it is HF's prompt lookup."""
 
     budget: int | None = None
     policy: str | None = None
 
-    def __init__(self, name: str, target: Target, prompt_lookup_num_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        target: Target,
+        prompt_lookup_num_tokens: int | None = None,
+        temperature: float = 0.0,
+    ) -> None:
         self.name = name
         self.target = target
         eos = sorted(target.eos_token_ids)
-        # A clean greedy config: sampling knobs a checkpoint ships with must not leak in.
+        # A clean config: sampling knobs a checkpoint ships with (top-k 50, ...) must not leak in.
+        sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
         self.options: dict[str, Any] = {
-            "do_sample": False,
+            "do_sample": temperature > 0,
+            **sampling,
             "eos_token_id": eos or None,
             "pad_token_id": eos[0] if eos else 0,
             "prompt_lookup_num_tokens": prompt_lookup_num_tokens,

@@ -44,16 +44,22 @@ def build_methods(config: BenchConfig, target: Target, registry: Registry | None
 
     def engine(drafter: str, tree=None, params=None) -> Engine:
         fields = {"target": config.target, "dtype": config.dtype, "drafter": drafter, "seed": config.seed}
+        fields |= config.verifier_fields()
         if tree is not None:
             fields.update(tree=tree, drafter_params=params or {})
         return Engine(GenerateConfig(**fields), target=target, registry=registry)
 
     methods: list[Method] = [EngineMethod(AR, engine(NO_DRAFTER))]
     if HF_GENERATE in config.baselines:
-        methods.append(HFGenerateMethod(HF_GENERATE, target))
+        methods.append(HFGenerateMethod(HF_GENERATE, target, temperature=config.temperature))
     if HF_PROMPT_LOOKUP in config.baselines:
         methods.append(
-            HFGenerateMethod(HF_PROMPT_LOOKUP, target, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
+            HFGenerateMethod(
+                HF_PROMPT_LOOKUP,
+                target,
+                prompt_lookup_num_tokens=config.prompt_lookup_tokens,
+                temperature=config.temperature,
+            )
         )
     for spec in config.drafter_specs:
         params = config.params_of(spec)

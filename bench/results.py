@@ -5,7 +5,9 @@ Schema (the keys every consumer may rely on; each run carries more detail after 
     {"machine": {...}, "target": str, "settings": {...},
      "runs": [{"method": str, "dataset": str, "budget": int | null, "n_prompts": int,
                "new_tokens": int, "tau": float, "tokens_per_s": float, "speedup_vs_ar": float,
-               "draft_share": float, "lossless": bool, "dtype": str, ...}]}
+               "draft_share": float, "lossless": bool | null, "dtype": str, ...}]}
+
+``lossless`` is null for sampled runs (temperature > 0), whose outputs are not compared.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ RUN_KEYS: dict[str, tuple[type, ...]] = {
     "tokens_per_s": (float,),
     "speedup_vs_ar": (float,),
     "draft_share": (float,),
-    "lossless": (bool,),
+    "lossless": (bool, type(None)),
     "dtype": (str,),
 }
 
@@ -42,8 +44,8 @@ class BenchResults:
 
     @property
     def lossless(self) -> bool:
-        """False if any run diverged for real (rounding ties do not count)."""
-        return all(run["lossless"] for run in self.runs)
+        """False if any run diverged for real (rounding ties and unchecked sampled runs do not count)."""
+        return all(run["lossless"] is not False for run in self.runs)
 
     def failures(self) -> list[str]:
         """One line per real divergence, for the CLI's error message."""

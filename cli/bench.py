@@ -19,7 +19,7 @@ EXIT_NOT_LOSSLESS = 1
 #: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
 _CONFIG_FLAGS = (
     *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
-    *("dtype", "target", "threads", "out"),
+    *("dtype", "target", "threads", "temperature", "seed", "out"),
 )
 
 
@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--target", help="'default', a local folder, a .gguf file or a cached hub id")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="0 (default): greedy, checked against ar; > 0: every method samples at this temperature",
+    )
+    parser.add_argument("--seed", type=int, help="seed of the sampling runs (default 0)")
     parser.add_argument("--out", help="output folder (default results/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -67,6 +73,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
     words += ["--dtype", config.dtype, "--target", config.target, "--out", config.out]
     if config.threads is not None:
         words += ["--threads", str(config.threads)]
+    if not config.greedy:
+        words += ["--temperature", str(config.temperature), "--seed", str(config.seed)]
     return shlex.join(words)
 
 
@@ -84,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{run_row['dataset']:<12} {run_row['method'] + budget:<28} tau {run_row['tau']:5.2f}  "
             f"{run_row['tokens_per_s']:7.1f} tok/s  {run_row['speedup_vs_ar']:5.2f}x"
-            f"{'' if run_row['lossless'] else '  NOT LOSSLESS'}"
+            f"{'  NOT LOSSLESS' if run_row['lossless'] is False else ''}"
         )
     print("wrote " + ", ".join(str(path) for path in paths))
     if not results.lossless:

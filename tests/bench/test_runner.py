@@ -11,7 +11,7 @@ import pytest
 from jetflow.bench.config import load_bench_config
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.methods import build_methods
-from jetflow.bench.report import REPORT_MD, RESULTS_JSON, write_outputs
+from jetflow.bench.report import REPORT_MD, RESULTS_JSON, render_markdown, write_outputs
 from jetflow.bench.results import RUN_KEYS, BenchResults
 from jetflow.bench.runner import BenchmarkRunner, load_samples, run_benchmark, turn_prompt_ids
 from jetflow.core.target import Target
@@ -164,3 +164,25 @@ def test_baselines_only_still_reports(bench_target: Target, prompt_file: Path, t
     assert [run["method"] for run in results.runs] == ["ar", "hf-generate"]
     names = {path.name for path in write_outputs(results, tmp_path)}
     assert "tau_vs_budget.png" not in names and "speedup.png" in names
+
+
+def test_sampled_runs_use_the_sampling_verifier_and_are_not_compared(
+    bench_target: Target, prompt_file: Path
+) -> None:
+    config = _config(prompt_file, temperature=1.0, seed=3, budgets=[6], drafters=["ngram"], baselines=[])
+    methods = build_methods(config, bench_target)
+    assert [method.engine.verifier.name for method in methods] == ["sampling", "sampling"]
+    first = run_benchmark(config, target=bench_target)
+    again = run_benchmark(config, target=bench_target)
+    greedy = run_benchmark(config.model_copy(update={"temperature": 0.0}), target=bench_target)
+    assert [run["lossless"] for run in first.runs] == [None, None] and first.lossless
+    assert all(run["temperature"] == 1.0 for run in first.runs)
+    # seeded: the same samples again; sampled: not the greedy run (a random tiny model at T=1)
+    assert [(run["new_tokens"], run["steps"]) for run in first.runs] == [
+        (run["new_tokens"], run["steps"]) for run in again.runs
+    ]
+    assert [(run["new_tokens"], run["steps"]) for run in first.runs] != [
+        (run["new_tokens"], run["steps"]) for run in greedy.runs
+    ]
+    assert [run["lossless"] for run in greedy.runs] == [True, True]
+    assert "Sampling at temperature 1.0" in render_markdown(first)
