@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jetflow.core.errors import ConfigError
+
 #: the keys of a run that the issue fixes, in order, with their JSON types
 RUN_KEYS: dict[str, tuple[type, ...]] = {
     "method": (str,),
@@ -70,5 +72,8 @@ class BenchResults:
 
     @classmethod
     def read_json(cls, path: Path) -> BenchResults:
-        data = json.loads(Path(path).read_text())
-        return cls(data["machine"], data["target"], data["settings"], data["runs"])
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(data["machine"], data["target"], data["settings"], data["runs"])
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ConfigError(f"{path} is not a complete jetflow results file ({error})") from None

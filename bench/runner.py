@@ -25,6 +25,7 @@ from jetflow.bench.machine import describe_machine
 from jetflow.bench.methods import build_methods
 from jetflow.bench.metrics import TurnRecord, summarise, tokens_per_s
 from jetflow.bench.results import BenchResults
+from jetflow.core.errors import ConfigError
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.registry import Registry
 from jetflow.core.target import Target
@@ -129,31 +130,80 @@ class BenchmarkRunner:
         """Sampled outputs are not comparable token by token: their runs say so."""
         return {} if self.config.greedy else {"lossless": None}
 
-    def run(self, samples: Mapping[str, Sequence[Sample]]) -> BenchResults:
-        """Warm up, run every data set, and summarise one row per method x data set x budget."""
-        dtype = dtype_name(self.target.dtype)
-        settings = {
+    def settings(self, samples: Mapping[str, Sequence[Sample]]) -> dict[str, object]:
+        """What decides the run's figures (recorded in results.json, compared on resume)."""
+        return {
             **self.config.model_dump(mode="json"),
-            "resolved_dtype": dtype,
+            "resolved_dtype": dtype_name(self.target.dtype),
             "methods": [{"method": m.name, "budget": m.budget, "policy": m.policy} for m in self.methods],
             "n_samples": {name: len(group) for name, group in samples.items()},
         }
-        results = BenchResults(describe_machine(), self.target.name, settings)
-        first = next((group[0] for group in samples.values() if group), None)
-        if first is None:
+
+    def run(
+        self,
+        samples: Mapping[str, Sequence[Sample]],
+        previous: BenchResults | None = None,
+        on_dataset: Callable[[BenchResults], None] | None = None,
+    ) -> BenchResults:
+        """Warm up, run every data set, and summarise one row per method x data set x budget.
+
+        Data sets already in ``previous`` (a resumed run with the same settings) are kept as
+        they are; ``on_dataset`` sees the results after each data set (to save them).
+        """
+        dtype = dtype_name(self.target.dtype)
+        results = BenchResults(describe_machine(), self.target.name, self.settings(samples))
+        if previous is not None:
+            check_resumable(previous, results)
+            results.runs = list(previous.runs)
+        done = {run["dataset"] for run in results.runs}
+        todo = {name: group for name, group in samples.items() if name not in done and group}
+        if done:
+            log.info("resuming: %s already measured", ", ".join(sorted(done)))
+        if not todo:
             log.warning("no samples to run")
             return results
+        first = next(iter(todo.values()))[0]
         self.warm_up(turn_prompt_ids(self.target, first, 0, []))
-        total = count_turns(samples) * len(self.methods)
+        total = count_turns(todo) * len(self.methods)
         with tqdm(total=total, desc="generations", unit="gen", disable=not self.progress) as bar:
-            for name, group in samples.items():
+            for name, group in todo.items():
                 bar.set_postfix_str(name)
                 records = self.run_dataset(group, on_generation=bar.update)
                 ar_speed = tokens_per_s(records[0])
                 for method, method_records in zip(self.methods, records, strict=True):
                     row = summarise(method, name, dtype, method_records, ar_speed)
                     results.runs.append(row | {"temperature": self.config.temperature} | self._checked())
+                if on_dataset:
+                    on_dataset(results)
         return results
+
+
+#: settings that may differ between the processes of a resumed run
+_RESUME_FREE = frozenset({"out", "command", "datasets", "n_samples"})
+
+
+def check_resumable(previous: BenchResults, current: BenchResults) -> None:
+    """Refuse to mix figures measured under different settings into one table.
+
+    Each data set is measured whole in one process, ar included, so a resumed run's speedups
+    stay same-process ratios; only the data-set list may grow between the processes.
+    """
+    if previous.target != current.target:
+        raise ConfigError(
+            f"cannot resume: the results are for target {previous.target!r}, not {current.target!r}"
+        )
+    keys = (set(previous.settings) | set(current.settings)) - _RESUME_FREE
+    differ = sorted(key for key in keys if previous.settings.get(key) != current.settings.get(key))
+    if differ:
+        shown = ", ".join(
+            f"{key} ({previous.settings.get(key)!r} -> {current.settings.get(key)!r})" for key in differ
+        )
+        raise ConfigError(f"cannot resume: the saved results were measured with other settings: {shown}")
+    for name, count in previous.settings.get("n_samples", {}).items():
+        if name in current.settings["n_samples"] and current.settings["n_samples"][name] != count:
+            raise ConfigError(
+                f"cannot resume: {name} had {count} samples, now {current.settings['n_samples'][name]}"
+            )
 
 
 def run_benchmark(
@@ -161,11 +211,15 @@ def run_benchmark(
     target: Target | None = None,
     registry: Registry | None = None,
     progress: bool = False,
+    previous: BenchResults | None = None,
+    on_dataset: Callable[[BenchResults], None] | None = None,
 ) -> BenchResults:
-    """Load the data, then the target (once), and run the whole comparison."""
+    """Load the data, then the target (once), and run the whole comparison (or what
+    ``previous``, a run with the same settings, has not measured yet)."""
     samples = load_samples(config)
     apply_threads(config)
     if target is None:
         target = Target.load(config.target, resolve_dtype(config.dtype))
     log.info("target %s (%s), %d generations", target.name, dtype_name(target.dtype), count_turns(samples))
-    return BenchmarkRunner(config, target, registry=registry, progress=progress).run(samples)
+    runner = BenchmarkRunner(config, target, registry=registry, progress=progress)
+    return runner.run(samples, previous=previous, on_dataset=on_dataset)

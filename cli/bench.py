@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,6 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, help="seed of the sampling runs (default 0)")
     parser.add_argument("--out", help="output folder (default results/)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the data sets already in OUT/results.json (same settings) and run the rest; "
+        "results are saved after every data set",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -80,12 +87,21 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from jetflow.bench.config import load_bench_config
-    from jetflow.bench.report import write_outputs
+    from jetflow.bench.report import RESULTS_JSON, write_outputs
+    from jetflow.bench.results import BenchResults
     from jetflow.bench.runner import run_benchmark
 
     config = load_bench_config(args.config, overrides(args))
-    results = run_benchmark(config, progress=not args.no_progress)
-    results.settings["command"] = command_line(config, args.config)
+    command = command_line(config, args.config) + (" --resume" if args.resume else "")
+    saved = Path(config.out) / RESULTS_JSON
+    previous = BenchResults.read_json(saved) if args.resume and saved.exists() else None
+
+    def save(results: BenchResults) -> None:
+        results.settings["command"] = command
+        results.write_json(saved)
+
+    results = run_benchmark(config, progress=not args.no_progress, previous=previous, on_dataset=save)
+    results.settings["command"] = command
     paths = write_outputs(results, config.out)
     for run_row in results.runs:
         budget = "" if run_row["budget"] is None else f" B={run_row['budget']}"

@@ -108,3 +108,19 @@ def test_a_real_divergence_exits_1_after_writing(
     assert "lossless check failed (1 real divergences)" in err
     assert "ngram:chain budget 4 on file:" in err and "token 2 is 9, baseline has 7" in err
     assert "NOT LOSSLESS" in out
+
+
+def test_resume_measures_nothing_twice_and_refuses_a_broken_file(
+    capsys: pytest.CaptureFixture[str], tiny_target_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    argv = _argv(tiny_target_dir, prompt_file, tmp_path)
+    assert main(argv) == 0
+    first = BenchResults.read_json(tmp_path / "results.json")
+    assert main([*argv, "--resume"]) == 0
+    again = BenchResults.read_json(tmp_path / "results.json")
+    assert again.runs == first.runs and again.settings["command"].endswith("--resume")
+    (tmp_path / "results.json").write_text('{"machine": {}')
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "not a complete jetflow results file" in err and "Traceback" not in err

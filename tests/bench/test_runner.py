@@ -14,6 +14,7 @@ from jetflow.bench.methods import build_methods
 from jetflow.bench.report import REPORT_MD, RESULTS_JSON, render_markdown, write_outputs
 from jetflow.bench.results import RUN_KEYS, BenchResults
 from jetflow.bench.runner import BenchmarkRunner, load_samples, run_benchmark, turn_prompt_ids
+from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
 
 MAX_NEW = 12
@@ -186,3 +187,30 @@ def test_sampled_runs_use_the_sampling_verifier_and_are_not_compared(
     ]
     assert [run["lossless"] for run in greedy.runs] == [True, True]
     assert "Sampling at temperature 1.0" in render_markdown(first)
+
+
+def test_a_resumed_run_keeps_measured_data_sets_and_runs_the_rest(
+    bench_target: Target, prompt_file: Path, tmp_path: Path
+) -> None:
+    second = tmp_path / "second.jsonl"
+    second.write_text(json.dumps({"id": "more", "prompt": "w7 w8 w9 w7 w8 w9"}) + "\n")
+    fields = {"budgets": [6], "drafters": ["ngram"], "baselines": []}
+    saved: list[int] = []
+    first = run_benchmark(_config(prompt_file, **fields), target=bench_target)
+    both = _config(prompt_file, **fields, datasets=[f"file:{prompt_file}", f"file:{second}"])
+    resumed = run_benchmark(
+        both, target=bench_target, previous=first, on_dataset=lambda r: saved.append(len(r.runs))
+    )
+    assert resumed.runs[:2] == first.runs  # kept, not measured again
+    assert [run["dataset"] for run in resumed.runs[2:]] == [f"file:{second}"] * 2
+    assert saved == [4]  # saved after the one data set that ran
+    path = tmp_path / "results.json"
+    first.write_json(path)
+    assert BenchResults.read_json(path).runs == first.runs
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        run_benchmark(
+            both.model_copy(update={"max_new_tokens": MAX_NEW + 1}), target=bench_target, previous=first
+        )
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(ConfigError, match="not a complete jetflow results file"):
+        BenchResults.read_json(path)
