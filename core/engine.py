@@ -153,10 +153,13 @@ class Engine:
                 if token in self.target.eos_token_ids and len(done) + index < limit:
                     return emitted[: index + 1], "eos"
         if self.config.stop:
+            # Every token decodes to at least one character, so a stop string that ends in the
+            # new tokens starts within the last len(stop) tokens: decode only that tail.
+            tail = done[max(0, len(done) - max(map(len, self.config.stop))) :]
             for index in range(len(emitted)):
                 if len(done) + index >= limit:
                     break
-                text = self.target.decode(done + emitted[: index + 1])
+                text = self.target.decode(tail + emitted[: index + 1])
                 if any(stop in text for stop in self.config.stop):
                     return emitted[: index + 1], "stop"
         if len(done) + len(emitted) >= limit:

@@ -143,6 +143,23 @@ def test_stop_string_ends_generation_right_after_it(tiny_llama: Target) -> None:
     assert result.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("drafter", ["none", "perfect-chain"])
+def test_a_stop_string_spanning_tokens_and_steps_ends_generation_where_it_completes(
+    tiny_llama: Target, drafter: str
+) -> None:
+    prompt = [9, 10, 11]
+    expected = _reference(tiny_llama, prompt, 16, eos=False)
+    stop = tiny_llama.decode(expected[7:10])  # three tokens, and longer than the tail of one token
+    cut = next(n for n in range(1, 17) if stop in tiny_llama.decode(expected[:n]))
+    fields = {"max_new_tokens": 16, "stop": (stop,), "stop_at_eos": False}
+    if drafter == "none":
+        engine = _engine(tiny_llama, drafter="none", **fields)
+    else:
+        engine = _perfect_chain_engine(tiny_llama, [*prompt, *expected], **fields)
+    result = engine.generate(prompt)
+    assert result.token_ids == expected[:cut] and result.finish_reason == "stop"
+
+
 def test_the_default_drafter_falls_back_to_ngram_where_no_head_is_shipped(tiny_llama: Target) -> None:
     from jetflow.core.config import DEFAULT_DRAFTER, FALLBACK_DRAFTER
     from jetflow.core.errors import JetflowError
