@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the no-drafting point (budget 0) is part of the choice
 #: budgets whose acceptance is measured (each one an engine run per prompt)
 DEFAULT_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: calibration stops growing the budget once two in a row fall below this share of the best
@@ -195,17 +195,20 @@ class Calibration(_Frozen):
         best = self.chosen
         others = sorted(self.points, key=lambda p: -p.expected_tokens_per_s)
         runner_up = next((p for p in others if p.budget != best.budget), None)
-        line = (
-            f"budget {best.budget} maximises expected tokens/s: {best.expected_tokens_per_s:.1f} "
-            f"(tau {best.tau:.2f} per {best.draft_ms:.1f} ms draft + {best.verify_ms:.1f} ms verify)"
-        )
-        if self.baseline_tokens_per_s > 0:
-            ratio = best.expected_tokens_per_s / self.baseline_tokens_per_s
-            line += f", {ratio:.2f}x the no-drafter loop"
-            if ratio < 1:
-                line += " (so plain decoding, --drafter none, is faster here)"
+        if best.budget == 0:
+            line = (
+                f"budget 0 (no drafting) maximises expected tokens/s: {best.expected_tokens_per_s:.1f}; "
+                "no tree pays for its verify cost on this machine"
+            )
+        else:
+            line = (
+                f"budget {best.budget} maximises expected tokens/s: {best.expected_tokens_per_s:.1f} "
+                f"(tau {best.tau:.2f} per {best.draft_ms:.1f} ms draft + {best.verify_ms:.1f} ms verify), "
+                f"{best.expected_tokens_per_s / self.baseline_tokens_per_s:.2f}x the no-drafter loop"
+            )
         if runner_up is not None:
-            line += f"; next best {runner_up.budget} at {runner_up.expected_tokens_per_s:.1f}"
+            ratio = runner_up.expected_tokens_per_s / self.baseline_tokens_per_s
+            line += f"; next best {runner_up.budget} at {runner_up.expected_tokens_per_s:.1f} ({ratio:.2f}x)"
         return line
 
     def summary(self) -> dict[str, Any]:
@@ -479,6 +482,8 @@ def calibrate(
             points.append(_measure_budget(engine, prompts, max_new_tokens, sizes, fitted, bar.update))
     if skipped:
         log.info("skipped budgets %s: the expected speed had fallen past the peak", skipped)
+    baseline = no_drafting_point(float(fitted[0]))
+    points.insert(0, baseline)
     return Calibration(
         key=key,
         created=datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -487,10 +492,22 @@ def calibrate(
         points=points,
         skipped_budgets=skipped,
         budget=choose_budget([p.budget for p in points], [p.expected_tokens_per_s for p in points]),
-        baseline_tokens_per_s=round(1.0 / float(fitted[0]), 3),
+        baseline_tokens_per_s=baseline.expected_tokens_per_s,
         n_prompts=len(prompts),
         max_new_tokens=max_new_tokens,
         repeats=repeats,
+    )
+
+
+def no_drafting_point(single_step_s: float) -> BudgetPoint:
+    """Budget 0: one token per verify of the root alone, nothing drafted (plain decoding)."""
+    return BudgetPoint(
+        budget=0,
+        tau=1.0,
+        draft_ms=0.0,
+        verify_ms=round(single_step_s * 1e3, 4),
+        mean_tree_size=1.0,
+        expected_tokens_per_s=round(1.0 / single_step_s, 3),
     )
 
 

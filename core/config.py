@@ -32,16 +32,20 @@ DEFAULT_BUDGET = 16
 
 
 def parse_budget(value: object) -> object:
-    """An integer >= 1 or ``"auto"`` (also from CLI text); anything else, one clear message."""
+    """An integer >= 0 or ``"auto"`` (also from CLI text); anything else, one clear message.
+
+    0 drafts nothing: the loop is plain decoding. Calibration picks it where no budget pays
+    for its verify cost, so ``auto`` is never slower than decoding without a drafter.
+    """
     if isinstance(value, str):
         text = value.strip().lower()
         if text == AUTO_BUDGET:
             return AUTO_BUDGET
         if text.lstrip("-").isdigit():
             value = int(text)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    raise ValueError(f"a budget is an integer >= 1 or '{AUTO_BUDGET}', got {value!r}")
+    raise ValueError(f"a budget is an integer >= 0 (0: no drafting) or '{AUTO_BUDGET}', got {value!r}")
 
 
 #: a tree budget as configs and flags give it: drafted nodes, or the calibrated best

@@ -66,6 +66,11 @@ class Engine:
         return self.shape.budget if self.drafter else None
 
     @property
+    def drafting(self) -> bool:
+        """False for the baseline and at budget 0 (where the drafter is never asked)."""
+        return self.drafter is not None and self.shape.budget > 0
+
+    @property
     def method(self) -> str:
         """``drafter:policy`` as benchmarks name it, or ``ar`` for the baseline."""
         return f"{self.config.drafter}:{self.policy.name}" if self.drafter else "ar"
@@ -90,8 +95,8 @@ class Engine:
             )
         generator = torch.Generator().manual_seed(self.config.seed)
         self.policy.reset(generator)  # one seeded generator per run: sampled trees and acceptance
-        layers = self.drafter.feature_layers if self.drafter else ()
-        if self.drafter:
+        layers = self.drafter.feature_layers if self.drafting else ()
+        if self.drafting:
             self.drafter.reset()
 
         start = time.perf_counter()
@@ -134,7 +139,7 @@ class Engine:
         from the refined session (e.g. JetFlow's path-conditioned refresh).
         """
         root = DraftTree.root(int(context.tokens[-1]))
-        if self.drafter is None:
+        if not self.drafting:
             return root, 0
         session = self.drafter.begin(context)
         tree = self.policy.build(session, root, self.shape)

@@ -28,7 +28,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--drafters", "ngram:zigzag"], "unknown tree policy 'zigzag'"),
         (["--datasets", "champ,gsm8k"], "unknown dataset 'gsm8k'"),
         (["--budgets", "8,x"], "budgets"),
-        (["--budgets", "0"], "budgets"),
+        (["--budgets", "-1"], "budgets"),
         (["--limit", "0"], "limit"),
         (["--config", "/nonexistent/bench.toml"], "config file not found"),
         (["--datasets", "file:/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),

@@ -46,7 +46,7 @@ def test_drafter_spec(text: str, drafter: str, policy: str | None, method: str) 
         ({"drafters": ["ngram", "ngram"]}, "ngram listed more than once"),
         ({"datasets": ["gsm8k"]}, "unknown dataset 'gsm8k'; known datasets: champ"),
         ({"baselines": ["vllm"]}, "unknown baseline 'vllm'"),
-        ({"budgets": [0]}, "budgets"),
+        ({"budgets": [-1]}, "budgets"),
         ({"budgets": [8, 8]}, "listed twice"),
         ({"budgets": []}, "budgets"),
         ({"limit": 0}, "limit"),

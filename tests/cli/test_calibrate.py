@@ -63,7 +63,7 @@ def test_calibrate_json_then_auto_budget_everywhere(capsys, target_dir: str) -> 
     code, payload, _ = _calibrate(capsys, target_dir)
     assert code == 0
     speeds = payload["expected_tokens_per_s"]
-    assert set(speeds) == {"1", "2", "4"} and all(isinstance(v, float) for v in speeds.values())
+    assert set(speeds) == {"0", "1", "2", "4"} and all(isinstance(v, float) for v in speeds.values())
     assert isinstance(payload["budget"], int)
     assert payload["budget"] == int(max(speeds, key=speeds.get))
     assert set(payload["tau"]) == set(payload["draft_ms"]) == set(payload["verify_ms"]) == set(speeds)
@@ -99,7 +99,7 @@ def test_the_table_names_the_choice_and_why(capsys, target_dir: str) -> None:
         capsys, "calibrate", "--target", target_dir, "--dtype", "float32", "--drafter", "ngram"
     )
     assert code == 0
-    assert f"budget {payload['budget']} maximises expected tokens/s" in out
+    assert f"chosen: budget {payload['budget']}" in out and "maximises expected tokens/s" in out
     assert "cached from" in out and "no drafter:" in out
 
 

@@ -32,7 +32,6 @@ def test_plugins_json_lists_every_kind_with_its_distribution(capsys) -> None:
         (["--drafter", "nope"], "unknown drafter 'nope'; known drafters:"),
         (["--tree-policy", "zigzag"], "unknown tree policy 'zigzag'"),
         (["--verifier", "maybe"], "unknown verifier 'maybe'"),
-        (["--budget", "0"], "tree.budget"),
         (["--budget", "-2"], "tree.budget"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--config", "/nonexistent/run.toml"], "config file not found"),

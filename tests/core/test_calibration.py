@@ -128,9 +128,12 @@ def measured() -> tuple[Target, cal.Calibration]:
 
 def test_a_calibration_measures_every_budget_and_picks_its_best(measured) -> None:
     target, calibration = measured
-    assert [p.budget for p in calibration.points] == [1, 2, 4]
+    assert [p.budget for p in calibration.points] == [0, 1, 2, 4]  # 0: no drafting, always a candidate
     assert calibration.tree_sizes[0] == 1 and calibration.tree_sizes[-1] == 5
     assert all(t > 0 for t in calibration.verify_latency_ms)
+    baseline = calibration.points[0]
+    assert (baseline.tau, baseline.draft_ms, baseline.mean_tree_size) == (1.0, 0.0, 1.0)
+    assert baseline.expected_tokens_per_s == calibration.baseline_tokens_per_s
     for point in calibration.points:
         assert 1.0 <= point.tau <= 1 + point.budget
         assert 1.0 <= point.mean_tree_size <= 1 + point.budget
@@ -138,7 +141,7 @@ def test_a_calibration_measures_every_budget_and_picks_its_best(measured) -> Non
             point.tau / ((point.draft_ms + point.verify_ms) / 1e3), rel=1e-3
         )
     speeds = calibration.expected_tokens_per_s
-    assert set(speeds) == {"1", "2", "4"}
+    assert set(speeds) == {"0", "1", "2", "4"}
     assert calibration.budget == int(max(speeds, key=speeds.get))
     assert str(calibration.budget) in calibration.reason()
     assert calibration.key == _key(target)
@@ -204,7 +207,7 @@ def test_without_a_calibration_unset_is_the_default_and_auto_says_what_to_run(ti
     [
         ("{not json", "unreadable"),
         ('{"version": 0, "budget": 8}', "schema version 0"),
-        ('{"version": 1, "budget": "eight"}', "invalid at"),
+        (json.dumps({"version": cal.SCHEMA_VERSION, "budget": "eight"}), "invalid at"),
         ("other-key", "another setup"),
     ],
 )
@@ -225,9 +228,11 @@ def test_an_unusable_cache_file_is_a_clear_error_for_auto_and_ignored_when_unset
     assert Engine(_config(), tiny_llama).budget == DEFAULT_BUDGET
 
 
-@pytest.mark.parametrize("bad", ["bad", "0", 0, -3, 2.5, True, ""])
+@pytest.mark.parametrize("bad", ["bad", "-1", -3, 2.5, True, ""])
 def test_a_bad_budget_is_a_one_line_config_error(bad) -> None:
-    with pytest.raises(ConfigError, match=r"tree\.budget: .*integer >= 1 or 'auto'") as error:
+    with pytest.raises(
+        ConfigError, match=r"tree\.budget: .*integer >= 0 \(0: no drafting\) or 'auto'"
+    ) as error:
         build_config(GenerateConfig, {"tree": {"budget": bad}})
     assert "\n" not in str(error.value)
 
@@ -237,4 +242,30 @@ def test_budget_accepts_integers_their_text_and_auto() -> None:
         return build_config(GenerateConfig, {"tree": {"budget": value}}).tree.budget
 
     assert (budget(12), budget("12"), budget("auto"), budget(" Auto ")) == (12, 12, "auto", "auto")
+    assert budget(0) == budget("0") == 0
     assert build_config(GenerateConfig, {}).tree.budget is None
+
+
+def test_where_no_tree_pays_the_choice_is_budget_0_and_the_engine_then_never_drafts(
+    tiny_llama: Target,
+) -> None:
+    slow_trees = [
+        cal.BudgetPoint(
+            budget=b, tau=1.2, draft_ms=5, verify_ms=12, mean_tree_size=b + 1, expected_tokens_per_s=70.6
+        )
+        for b in (1, 2)
+    ]
+    baseline = cal.no_drafting_point(0.010)
+    speeds = [p.expected_tokens_per_s for p in (baseline, *slow_trees)]
+    assert baseline.expected_tokens_per_s == 100.0
+    assert cal.choose_budget([0, 1, 2], speeds) == 0
+
+    class Refusing(Exception):
+        pass
+
+    engine = Engine(_config(tree={"budget": 0}), tiny_llama)
+    engine.drafter.begin = lambda _context: (_ for _ in ()).throw(Refusing())  # never asked
+    plain = Engine(build_config(GenerateConfig, {"drafter": "none", "chat_template": False}), tiny_llama)
+    result = engine.generate([5, 6, 7], max_new_tokens=8)
+    assert result.token_ids == plain.generate([5, 6, 7], max_new_tokens=8).token_ids
+    assert engine.budget == 0 and {step.tree_size for step in result.steps} == {1}
