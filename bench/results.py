@@ -12,6 +12,7 @@ Schema (the keys every consumer may rely on; each run carries more detail after 
 
 from __future__ import annotations
 
+import fcntl
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,3 +78,61 @@ class BenchResults:
             return cls(data["machine"], data["target"], data["settings"], data["runs"])
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ConfigError(f"{path} is not a complete jetflow results file ({error})") from None
+
+
+#: settings that may differ between the processes of a resumed run
+_RESUME_FREE = frozenset({"out", "command", "datasets", "n_samples"})
+
+
+def check_compatible(previous: BenchResults, current: BenchResults) -> None:
+    """Refuse to mix figures measured under different settings into one table.
+
+    Each data set is measured whole in one process, ar included, so speedups stay
+    same-process ratios however many processes (resumed or side by side) fill one results
+    file; only the data sets may differ between them.
+    """
+    if previous.target != current.target:
+        raise ConfigError(
+            f"cannot resume: the results are for target {previous.target!r}, not {current.target!r}"
+        )
+    keys = (set(previous.settings) | set(current.settings)) - _RESUME_FREE
+    differ = sorted(key for key in keys if previous.settings.get(key) != current.settings.get(key))
+    if differ:
+        shown = ", ".join(
+            f"{key} ({previous.settings.get(key)!r} -> {current.settings.get(key)!r})" for key in differ
+        )
+        raise ConfigError(f"cannot resume: the saved results were measured with other settings: {shown}")
+    for name, count in previous.settings.get("n_samples", {}).items():
+        if name in current.settings["n_samples"] and current.settings["n_samples"][name] != count:
+            raise ConfigError(
+                f"cannot resume: {name} had {count} samples, now {current.settings['n_samples'][name]}"
+            )
+
+
+def merge_saved(path: Path, results: BenchResults) -> BenchResults:
+    """Add ``results``' data sets to the results file at ``path`` (created if missing) and
+    return what the file then holds.
+
+    Several processes may fill one file, one data set each: the read-merge-write runs under
+    an exclusive lock and the file is replaced atomically, so none loses another's runs.
+    A data set already in the file is kept as it was measured there.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with (path.parent / f".{path.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            merged = results
+        else:
+            merged = BenchResults.read_json(path)
+            check_compatible(merged, results)
+            saved = {run["dataset"] for run in merged.runs}
+            merged.runs += [run for run in results.runs if run["dataset"] not in saved]
+            n_samples = merged.settings.get("n_samples", {}) | results.settings.get("n_samples", {})
+            datasets = list(
+                dict.fromkeys([*merged.settings.get("datasets", []), *results.settings.get("datasets", [])])
+            )
+            merged.settings = results.settings | {"n_samples": n_samples, "datasets": datasets}
+        partial = path.with_suffix(".partial")
+        merged.write_json(partial)
+        partial.replace(path)
+    return merged

@@ -24,8 +24,7 @@ from jetflow.bench.lossless import LosslessChecker
 from jetflow.bench.machine import describe_machine
 from jetflow.bench.methods import build_methods
 from jetflow.bench.metrics import TurnRecord, summarise, tokens_per_s
-from jetflow.bench.results import BenchResults
-from jetflow.core.errors import ConfigError
+from jetflow.bench.results import BenchResults, check_compatible
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.registry import Registry
 from jetflow.core.target import Target
@@ -153,7 +152,7 @@ class BenchmarkRunner:
         dtype = dtype_name(self.target.dtype)
         results = BenchResults(describe_machine(), self.target.name, self.settings(samples))
         if previous is not None:
-            check_resumable(previous, results)
+            check_compatible(previous, results)
             results.runs = list(previous.runs)
         done = {run["dataset"] for run in results.runs}
         todo = {name: group for name, group in samples.items() if name not in done and group}
@@ -176,34 +175,6 @@ class BenchmarkRunner:
                 if on_dataset:
                     on_dataset(results)
         return results
-
-
-#: settings that may differ between the processes of a resumed run
-_RESUME_FREE = frozenset({"out", "command", "datasets", "n_samples"})
-
-
-def check_resumable(previous: BenchResults, current: BenchResults) -> None:
-    """Refuse to mix figures measured under different settings into one table.
-
-    Each data set is measured whole in one process, ar included, so a resumed run's speedups
-    stay same-process ratios; only the data-set list may grow between the processes.
-    """
-    if previous.target != current.target:
-        raise ConfigError(
-            f"cannot resume: the results are for target {previous.target!r}, not {current.target!r}"
-        )
-    keys = (set(previous.settings) | set(current.settings)) - _RESUME_FREE
-    differ = sorted(key for key in keys if previous.settings.get(key) != current.settings.get(key))
-    if differ:
-        shown = ", ".join(
-            f"{key} ({previous.settings.get(key)!r} -> {current.settings.get(key)!r})" for key in differ
-        )
-        raise ConfigError(f"cannot resume: the saved results were measured with other settings: {shown}")
-    for name, count in previous.settings.get("n_samples", {}).items():
-        if name in current.settings["n_samples"] and current.settings["n_samples"][name] != count:
-            raise ConfigError(
-                f"cannot resume: {name} had {count} samples, now {current.settings['n_samples'][name]}"
-            )
 
 
 def run_benchmark(

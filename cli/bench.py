@@ -58,8 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the data sets already in OUT/results.json (same settings) and run the rest; "
-        "results are saved after every data set",
+        help="keep the data sets already in OUT/results.json (same settings) and run the rest, "
+        "saving after every data set; processes given different --datasets can fill one OUT side by side",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -88,7 +88,7 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from jetflow.bench.config import load_bench_config
     from jetflow.bench.report import RESULTS_JSON, write_outputs
-    from jetflow.bench.results import BenchResults
+    from jetflow.bench.results import BenchResults, merge_saved
     from jetflow.bench.runner import run_benchmark
 
     config = load_bench_config(args.config, overrides(args))
@@ -96,13 +96,15 @@ def run(args: argparse.Namespace) -> int:
     saved = Path(config.out) / RESULTS_JSON
     previous = BenchResults.read_json(saved) if args.resume and saved.exists() else None
 
-    def save(results: BenchResults) -> None:
+    def save(results: BenchResults) -> BenchResults:
         results.settings["command"] = command
+        if args.resume:  # other processes may be filling the same file with other data sets
+            return merge_saved(saved, results)
         results.write_json(saved)
+        return results
 
     results = run_benchmark(config, progress=not args.no_progress, previous=previous, on_dataset=save)
-    results.settings["command"] = command
-    paths = write_outputs(results, config.out)
+    paths = write_outputs(save(results), config.out)
     for run_row in results.runs:
         budget = "" if run_row["budget"] is None else f" B={run_row['budget']}"
         print(

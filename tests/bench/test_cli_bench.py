@@ -124,3 +124,21 @@ def test_resume_measures_nothing_twice_and_refuses_a_broken_file(
     assert main([*argv, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "not a complete jetflow results file" in err and "Traceback" not in err
+
+
+def test_processes_with_different_data_sets_fill_one_results_file(
+    tiny_target_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    second = tmp_path / "second.jsonl"
+    second.write_text(json.dumps({"id": "more", "prompt": "w7 w8 w9 w7 w8 w9"}) + "\n")
+    out = tmp_path / "shared"
+    argv = _argv(tiny_target_dir, prompt_file, out)
+    assert main([*argv, "--resume"]) == 0
+    only_first = BenchResults.read_json(out / "results.json")
+    argv[argv.index(f"file:{prompt_file}")] = f"file:{second}"
+    assert main([*argv, "--resume"]) == 0  # as a second process would, with its own ar
+    both = BenchResults.read_json(out / "results.json")
+    assert both.runs[: len(only_first.runs)] == only_first.runs
+    assert {run["dataset"] for run in both.runs} == {f"file:{prompt_file}", f"file:{second}"}
+    assert both.settings["datasets"] == [f"file:{prompt_file}", f"file:{second}"]
+    assert f"file:{second}" in (out / "report.md").read_text()
