@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         "drafter": args.drafter,
         "steps": result.steps,
         "wall_s": round(result.wall_s, 1),
+        "train_s": round(result.train_s, 1),
         "positions_per_s": round(result.positions_per_s, 1),
         "checkpoint": str(result.final_checkpoint),
         **result.evaluation,

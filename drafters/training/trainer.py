@@ -135,7 +135,8 @@ class TrainResult:
     """What a finished run reports."""
 
     steps: int
-    wall_s: float
+    wall_s: float  # this run
+    train_s: float  # every run that led here (resumes included)
     positions_per_s: float
     final_checkpoint: Path
     evaluation: dict[str, Any]
@@ -191,6 +192,7 @@ class Trainer:
             self.optimizer, lambda step: lr_factor(step, config.optim, config.steps)
         )
         self.step = 0
+        self._prior_s, self._started = 0.0, None  # see train_s
         self._epoch_order: tuple[int, Tensor] | None = None  # (epoch, permutation of train_ids)
 
     # ------------------------------------------------------------------ setup
@@ -372,6 +374,7 @@ class Trainer:
                 "step": self.step,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
+                "train_s": self.train_s,
             },
             folder / "trainer.pt",
         )
@@ -406,6 +409,7 @@ class Trainer:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step = int(saved["step"])
+        self._prior_s = float(saved.get("train_s", 0.0))
         self._trim_log(self.step)
         log.info("resumed from %s (step %d)", folder, self.step)
         return True
@@ -423,6 +427,12 @@ class Trainer:
             path.write_text("".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------ loop
+    @property
+    def train_s(self) -> float:
+        """Seconds of training so far, summed over every resumed run (evaluations included)."""
+        running = time.perf_counter() - self._started if self._started is not None else 0.0
+        return self._prior_s + running
+
     def train_step(self) -> dict[str, float]:
         """One optimiser step on the batch of ``self.step``; returns its statistics."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
@@ -453,6 +463,7 @@ class Trainer:
         cfg = self.config
         self.head.train()
         start, positions = time.perf_counter(), 0
+        self._started = start
         evaluation: dict[str, Any] = {}
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not self.progress, unit="step")
         while self.step < cfg.steps:
@@ -461,10 +472,12 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.1e}")
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                self._log({"step": self.step, **stats, "elapsed_s": round(time.perf_counter() - start, 2)})
+                self._log({"step": self.step, **stats, "elapsed_s": round(self.train_s, 2)})
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 evaluation = self.evaluate()
-                self._log({"step": self.step, "eval": True, **evaluation})
+                self._log(
+                    {"step": self.step, "eval": True, **evaluation, "elapsed_s": round(self.train_s, 2)}
+                )
                 log.info("step %d: %s", self.step, evaluation)
             if self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
                 self.save()
@@ -475,11 +488,11 @@ class Trainer:
         final = save_checkpoint(
             self.out / "final",
             self.head,
-            self._info(**evaluation, wall_s=round(wall, 1)),
+            self._info(**evaluation, wall_s=round(wall, 1), train_s=round(self.train_s, 1)),
             _DTYPES[cfg.ship_dtype],
         )
         self.save()
-        return TrainResult(self.step, wall, positions / max(wall, 1e-9), final, evaluation)
+        return TrainResult(self.step, wall, self.train_s, positions / max(wall, 1e-9), final, evaluation)
 
 
 def _chunks(rows: int, size: int) -> list[slice]:

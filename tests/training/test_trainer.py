@@ -81,6 +81,19 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_llama, tmp_path) ->
     assert final.keys() == whole.head.state_dict().keys()
 
 
+def test_training_time_adds_up_over_resumed_runs(tiny_llama, tmp_path) -> None:
+    first = quick_trainer(tiny_llama, tmp_path, steps=4, checkpoint_every=2)
+    first_result = first.fit()
+    resumed = quick_trainer(tiny_llama, tmp_path, steps=8, checkpoint_every=2)
+    result = resumed.fit(resume=True)
+    assert result.train_s >= first_result.train_s + result.wall_s > result.wall_s
+    info, _ = read_checkpoint(result.final_checkpoint)
+    assert info.state["train_s"] == pytest.approx(result.train_s, abs=0.1)
+    records = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    elapsed = [record["elapsed_s"] for record in records]
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= first_result.train_s
+
+
 def test_resume_refuses_a_run_with_another_head(tiny_llama, tmp_path) -> None:
     first = quick_trainer(tiny_llama, tmp_path, steps=2, checkpoint_every=1)
     first.fit()
