@@ -260,11 +260,11 @@ def test_where_no_tree_pays_the_choice_is_budget_0_and_the_engine_then_never_dra
     assert baseline.expected_tokens_per_s == 100.0
     assert cal.choose_budget([0, 1, 2], speeds) == 0
 
-    class Refusing(Exception):
-        pass
+    def never(_context):
+        raise AssertionError("the drafter must not be asked at budget 0")
 
     engine = Engine(_config(tree={"budget": 0}), tiny_llama)
-    engine.drafter.begin = lambda _context: (_ for _ in ()).throw(Refusing())  # never asked
+    engine.drafter.begin = never
     plain = Engine(build_config(GenerateConfig, {"drafter": "none", "chat_template": False}), tiny_llama)
     result = engine.generate([5, 6, 7], max_new_tokens=8)
     assert result.token_ids == plain.generate([5, 6, 7], max_new_tokens=8).token_ids
