@@ -37,6 +37,12 @@ def _save(figure: Figure, path: Path) -> Path:
 
 def plot_tau_vs_budget(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """One panel per data set, one line per drafter method; None when no drafter ran."""
+    figure = tau_figure(runs)
+    return None if figure is None else _save(figure, path)
+
+
+def tau_figure(runs: Sequence[dict[str, Any]]) -> Figure | None:
+    """The figure of :func:`plot_tau_vs_budget`, unsaved."""
     drafted = [run for run in runs if run["budget"] is not None]
     if not drafted:
         return None
@@ -51,15 +57,16 @@ def plot_tau_vs_budget(runs: Sequence[dict[str, Any]], path: Path) -> Path | Non
         for peer in runs:
             if peer["dataset"] == dataset and peer["method"] == PEER:
                 ax.axhline(peer["tau"], color="grey", linestyle=":", label=PEER)
-        ax.set_xscale("log", base=2)
         budgets = sorted({run["budget"] for run in rows})
+        # budgets double; budget 0 (no drafting) needs the linear stretch of a symlog axis
+        ax.set_xscale("symlog", base=2, linthresh=1) if budgets[0] == 0 else ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_title(dataset)
         ax.set_xlabel("tree budget (drafted nodes)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tau (tokens per target forward)")
     axes[-1].legend(fontsize="small")
-    return _save(figure, path)
+    return figure
 
 
 def plot_speedup(runs: Sequence[dict[str, Any]], path: Path) -> Path | None:
