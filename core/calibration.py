@@ -390,23 +390,26 @@ def measure_verify_latency(
     repeats: int = 5,
     warmup: int = 2,
     layers: tuple[int, ...] = (),
-    on_size: Callable[[], object] | None = None,
+    on_measure: Callable[[], object] | None = None,
 ) -> list[float]:
     """Median seconds of one verify step (forward, acceptance, commit) per tree size.
 
     ``layers`` are the drafter's feature layers (capturing them costs time too). Trees are
     complete ``width``-ary trees over tokens of the context; each repeat builds a fresh tree
     (its ancestor mask is computed inside the step, as in the engine) and crops the cache
-    back afterwards, so every repeat sees the same cached prefix.
+    back afterwards, so every repeat sees the same cached prefix. The sizes are measured in
+    interleaved rounds (alternating order), not one after another: on a machine whose load
+    drifts, the drift then spreads over every size instead of making neighbours disagree.
+    ``on_measure`` is called after every timed or warm-up forward.
     """
     context = torch.tensor(list(context_ids), dtype=torch.long)
     cache, _ = target.prefill(context[:-1])
     n_cached = cache.get_seq_length()
     generator = torch.Generator().manual_seed(0)
-    medians: list[float] = []
-    for size in sizes:
-        times: list[float] = []
-        for index in range(warmup + repeats):
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for round_index in range(warmup + repeats):
+        order = sizes if round_index % 2 == 0 else sizes[::-1]
+        for size in order:
             tree = _verify_tree(context, size, width)
             _synchronize(target.device)
             start = time.perf_counter()
@@ -414,13 +417,12 @@ def measure_verify_latency(
             decision = verifier.accept(tree, out.logits, generator)
             target.commit(cache, n_cached, decision.path)
             _synchronize(target.device)
-            if index >= warmup:
-                times.append(time.perf_counter() - start)
+            if round_index >= warmup:
+                times[size].append(time.perf_counter() - start)
             cache.crop(n_cached - cache.get_seq_length())  # a negative count: tokens to drop
-        medians.append(statistics.median(times))
-        if on_size is not None:
-            on_size()
-    return medians
+            if on_measure is not None:
+                on_measure()
+    return [statistics.median(times[size]) for size in sizes]
 
 
 def calibrate(
@@ -455,7 +457,7 @@ def calibrate(
 
     first = engine_at(config, target, budgets[0], registry)
     key = CalibrationKey.of(target, first.drafter, first.policy, first.verifier, config.tree)
-    total = len(sizes) + len(budgets) * len(prompts)
+    total = len(sizes) * (warmup + repeats) + len(budgets) * len(prompts)
     with tqdm(total=total, desc="calibrating", unit="run", disable=not progress, leave=False) as bar:
         bar.set_postfix_str("verify latency")
         latency = measure_verify_latency(
@@ -467,7 +469,7 @@ def calibrate(
             repeats=repeats,
             warmup=warmup,
             layers=first.drafter.feature_layers,
-            on_size=bar.update,
+            on_measure=bar.update,
         )
         fitted = monotone_latency(latency)
         points: list[BudgetPoint] = []
