@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from jetflow.core.target import Target
     from jetflow.drafters.blocks import FrozenTargetParts
     from jetflow.drafters.training.checkpoint import CheckpointInfo, target_record
+    from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
     from jetflow.drafters.training.trainer import TrainConfig, Trainer
 
     if args.threads:
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     )
     trainer = Trainer(config, head, FrozenTargetParts.from_target(target), store, info)
     result = trainer.fit(resume=args.resume, target=target)
+    folder = result.final_checkpoint.parent
+    points = read_curve(folder)
+    settled = convergence(points)
+    plot_curve(points, folder / CURVE_PLOT, settled)
     summary = {
         "drafter": args.drafter,
         "steps": result.steps,
@@ -79,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "positions_per_s": round(result.positions_per_s, 1),
         "checkpoint": str(result.final_checkpoint),
         **result.evaluation,
+        **settled.as_dict(),
     }
     print(json.dumps(summary) if args.json else "\n".join(f"{k:<16} {v}" for k, v in summary.items()))
     return 0
