@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 2: the no-drafting point (budget 0) is part of the choice
+#: predictions within this relative distance of the best count as equal; the smaller budget wins.
+#: Repeated calibrations of one setup on this 2-core machine, under load, moved the expected speed
+#: of budgets 0-2 by 3-7% from run to run, while the ranking of clearly different budgets held.
+CHOICE_TOLERANCE = 0.05
 #: budgets whose acceptance is measured (each one an engine run per prompt)
 DEFAULT_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: calibration stops growing the budget once two in a row fall below this share of the best
@@ -192,23 +196,28 @@ class Calibration(_Frozen):
 
     def reason(self) -> str:
         """Why this budget, in one line."""
-        best = self.chosen
-        others = sorted(self.points, key=lambda p: -p.expected_tokens_per_s)
-        runner_up = next((p for p in others if p.budget != best.budget), None)
-        if best.budget == 0:
-            line = (
-                f"budget 0 (no drafting) maximises expected tokens/s: {best.expected_tokens_per_s:.1f}; "
-                "no tree pays for its verify cost on this machine"
-            )
+        chosen, base = self.chosen, self.baseline_tokens_per_s
+        best = max(self.points, key=lambda p: (p.expected_tokens_per_s, -p.budget))
+        if chosen.budget == 0:
+            line = f"budget 0 (no drafting): {chosen.expected_tokens_per_s:.1f} expected tokens/s"
         else:
             line = (
-                f"budget {best.budget} maximises expected tokens/s: {best.expected_tokens_per_s:.1f} "
-                f"(tau {best.tau:.2f} per {best.draft_ms:.1f} ms draft + {best.verify_ms:.1f} ms verify), "
-                f"{best.expected_tokens_per_s / self.baseline_tokens_per_s:.2f}x the no-drafter loop"
+                f"budget {chosen.budget}: {chosen.expected_tokens_per_s:.1f} expected tokens/s (tau "
+                f"{chosen.tau:.2f} per {chosen.draft_ms:.1f} ms draft + {chosen.verify_ms:.1f} ms verify), "
+                f"{chosen.expected_tokens_per_s / base:.2f}x the no-drafter loop"
             )
-        if runner_up is not None:
-            ratio = runner_up.expected_tokens_per_s / self.baseline_tokens_per_s
-            line += f"; next best {runner_up.budget} at {runner_up.expected_tokens_per_s:.1f} ({ratio:.2f}x)"
+        if best.budget == chosen.budget:
+            others = [p for p in self.points if p.budget != chosen.budget]
+            if others:
+                second = max(others, key=lambda p: p.expected_tokens_per_s)
+                line += (
+                    f"; the most of all (next: budget {second.budget} at {second.expected_tokens_per_s:.1f})"
+                )
+        else:
+            line += (
+                f"; budget {best.budget} predicts {best.expected_tokens_per_s:.1f}, within the model's "
+                f"{CHOICE_TOLERANCE:.0%} error, so the smaller budget is taken"
+            )
         return line
 
     def summary(self) -> dict[str, Any]:
@@ -242,13 +251,20 @@ def expected_tokens_per_s(
     return np.asarray(tau, dtype=float) / np.maximum(cost, 1e-12)
 
 
-def choose_budget(budgets: Sequence[int], tokens_per_s: Sequence[float]) -> int:
-    """The budget with the highest expected tokens/s; on a tie the smaller (cheaper) one."""
+def choose_budget(budgets: Sequence[int], tokens_per_s: Sequence[float], tolerance: float = 0.0) -> int:
+    """The smallest budget whose expected tokens/s is within ``tolerance`` (relative) of the best.
+
+    With ``tolerance`` 0 that is the argmax, the smaller budget on a tie. A calibration passes
+    :data:`CHOICE_TOLERANCE`: predictions that close are within the model's error on a loaded
+    machine, and the smaller tree is then the safer bet (less memory, less drafter work, and
+    at 0 no drafting at all).
+    """
     if len(budgets) == 0 or len(budgets) != len(tokens_per_s):
         raise ValueError("choose_budget needs one expected speed per budget")
     order = np.argsort(np.asarray(budgets), kind="stable")
     speeds = np.asarray(tokens_per_s, dtype=float)[order]
-    return int(np.asarray(budgets)[order][int(np.argmax(speeds))])
+    good_enough = speeds >= (1.0 - tolerance) * speeds.max()
+    return int(np.asarray(budgets)[order][int(np.argmax(good_enough))])
 
 
 def monotone_latency(latency_s: Sequence[float]) -> np.ndarray:
@@ -493,7 +509,9 @@ def calibrate(
         verify_latency_ms=[round(t * 1e3, 4) for t in latency],
         points=points,
         skipped_budgets=skipped,
-        budget=choose_budget([p.budget for p in points], [p.expected_tokens_per_s for p in points]),
+        budget=choose_budget(
+            [p.budget for p in points], [p.expected_tokens_per_s for p in points], CHOICE_TOLERANCE
+        ),
         baseline_tokens_per_s=baseline.expected_tokens_per_s,
         n_prompts=len(prompts),
         max_new_tokens=max_new_tokens,

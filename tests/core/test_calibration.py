@@ -269,3 +269,11 @@ def test_where_no_tree_pays_the_choice_is_budget_0_and_the_engine_then_never_dra
     result = engine.generate([5, 6, 7], max_new_tokens=8)
     assert result.token_ids == plain.generate([5, 6, 7], max_new_tokens=8).token_ids
     assert engine.budget == 0 and {step.tree_size for step in result.steps} == {1}
+
+
+def test_predictions_within_the_tolerance_count_as_equal_and_the_smaller_budget_wins() -> None:
+    budgets, speeds = [0, 1, 2, 4], [15.1, 15.55, 13.1, 10.9]  # a loaded CPU's calibration
+    assert cal.choose_budget(budgets, speeds) == 1
+    assert cal.choose_budget(budgets, speeds, tolerance=cal.CHOICE_TOLERANCE) == 0
+    assert cal.choose_budget([0, 64, 128], [10.0, 30.0, 31.0], tolerance=0.05) == 64
+    assert cal.choose_budget([0, 64, 128], [10.0, 28.0, 31.0], tolerance=0.05) == 128
