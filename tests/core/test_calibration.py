@@ -89,12 +89,6 @@ def test_latency_is_interpolated_between_grid_sizes_and_clamped() -> None:
     np.testing.assert_allclose(got, [0.01, 0.015, 0.03, 0.04, 0.04])
 
 
-def test_the_latency_curve_is_made_non_decreasing_without_moving_a_monotone_one() -> None:
-    np.testing.assert_allclose(cal.monotone_latency([1.0, 2.0, 5.0]), [1.0, 2.0, 5.0])
-    np.testing.assert_allclose(cal.monotone_latency([1.0, 4.0, 2.0, 5.0]), [1.0, 3.0, 3.0, 5.0])
-    np.testing.assert_allclose(cal.monotone_latency([3.0, 2.0, 1.0]), [2.0, 2.0, 2.0])
-
-
 @pytest.mark.parametrize(
     ("speeds", "stop"),
     [
