@@ -114,13 +114,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(result.text)
     print()
-    _print_stats(engine.method, result)
+    _print_stats(_describe(engine), result)
     if baseline is not None:
         _print_stats("ar", baseline)
         same = "identical" if baseline.token_ids == result.token_ids else "DIFFERENT"
         speedup = baseline.wall_s / result.wall_s if result.wall_s else float("nan")
         print(f"output {same} to the baseline; speedup {speedup:.2f}x")
     return 0
+
+
+def _describe(engine: Engine) -> str:
+    """``drafter:policy B=<budget> (<where the budget came from>)``, or ``ar``."""
+    if engine.budget is None:
+        return engine.method
+    note = "no drafting" if engine.budget == 0 else ""
+    source = ", ".join(part for part in (engine.budget_source, note) if part)
+    return f"{engine.method} B={engine.budget} ({source})"
 
 
 def _as_json(result: GenerationResult) -> dict[str, Any]:

@@ -132,3 +132,15 @@ def test_bad_input_is_one_line_and_exit_2_before_loading(
     assert code == 2 and out == ""
     assert err.startswith("jetflow: error: ") and message in err
     assert err.count("\n") == 1
+
+
+def test_generate_names_the_budget_and_where_it_came_from(capsys, target_dir: str) -> None:
+    base = ("generate", "--target", target_dir, "--dtype", "float32", "--drafter", "ngram")
+    base += ("--prompt", "w3 w4 w5 w3 w4 w5 w3", "--max-new-tokens", "6")
+    code, out, _ = _run(capsys, *base, "--budget", "7")
+    assert code == 0 and "[ngram:best-first B=7 (fixed)]" in out
+    code, out, _ = _run(capsys, *base, "--budget", "0")
+    assert code == 0 and "[ngram:best-first B=0 (fixed, no drafting)]" in out
+    code, payload, _ = _calibrate(capsys, target_dir)
+    code, out, _ = _run(capsys, *base)
+    assert code == 0 and f"B={payload['budget']} (calibrated" in out
