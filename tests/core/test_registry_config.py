@@ -34,7 +34,7 @@ def test_unknown_names_list_the_known_ones() -> None:
 @pytest.mark.parametrize(
     ("fields", "field_name"),
     [
-        ({"tree": {"budget": 0}}, "tree.budget"),
+        ({"tree": {"budget": "zero"}}, "tree.budget"),
         ({"tree": {"budget": -4}}, "tree.budget"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"dtype": "float8"}, "dtype"),
