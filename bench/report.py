@@ -62,8 +62,9 @@ def _header(results: BenchResults) -> list[str]:
         f"{', '.join(str(b) for b in settings.get('budgets', []))}; "
         "speedup = tokens/s over `ar` (the same engine loop without a drafter) on the same prompts",
     ]
-    if settings.get("command"):
-        lines.append(f"* command: `{settings['command']}`")
+    commands = settings.get("commands") or [settings.get("command")]
+    for command in filter(None, commands):
+        lines.append(f"* command: `{command}`")
     failures = results.failures()
     temperature = settings.get("temperature", 0.0)
     if temperature:

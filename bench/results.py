@@ -81,7 +81,7 @@ class BenchResults:
 
 
 #: settings that may differ between the processes of a resumed run
-_RESUME_FREE = frozenset({"out", "command", "datasets", "n_samples"})
+_RESUME_FREE = frozenset({"out", "command", "commands", "datasets", "n_samples"})
 
 
 def check_compatible(previous: BenchResults, current: BenchResults) -> None:
@@ -131,7 +131,10 @@ def merge_saved(path: Path, results: BenchResults) -> BenchResults:
             datasets = list(
                 dict.fromkeys([*merged.settings.get("datasets", []), *results.settings.get("datasets", [])])
             )
+            commands = [*merged.settings.get("commands", [merged.settings.get("command")])]
+            commands = list(dict.fromkeys(c for c in [*commands, results.settings.get("command")] if c))
             merged.settings = results.settings | {"n_samples": n_samples, "datasets": datasets}
+            merged.settings["commands"] = commands  # one per process that filled the file
         partial = path.with_suffix(".partial")
         merged.write_json(partial)
         partial.replace(path)

@@ -141,4 +141,6 @@ def test_processes_with_different_data_sets_fill_one_results_file(
     assert both.runs[: len(only_first.runs)] == only_first.runs
     assert {run["dataset"] for run in both.runs} == {f"file:{prompt_file}", f"file:{second}"}
     assert both.settings["datasets"] == [f"file:{prompt_file}", f"file:{second}"]
-    assert f"file:{second}" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert f"file:{second}" in report and len(both.settings["commands"]) == 2
+    assert all(f"* command: `{command}`" in report for command in both.settings["commands"])
