@@ -22,6 +22,8 @@ class Generation:
         draft_s: seconds spent drafting.
         verify_s: seconds spent in target forwards (plus acceptance and cache commit).
         accepted: drafted tokens accepted at each step, or None where the method hides it.
+        budgets: each step's tree budget (they differ under an adaptive budget), or None for
+            methods without a tree.
     """
 
     token_ids: tuple[int, ...]
@@ -30,6 +32,7 @@ class Generation:
     draft_s: float
     verify_s: float
     accepted: tuple[int, ...] | None
+    budgets: tuple[int, ...] | None = None
 
 
 class Method(Protocol):

@@ -35,6 +35,7 @@ class EngineMethod:
             draft_s=result.draft_s,
             verify_s=result.verify_s,
             accepted=tuple(step.accepted for step in result.steps),
+            budgets=tuple(step.budget for step in result.steps) if self.budget is not None else None,
         )
 
 

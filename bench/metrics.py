@@ -43,6 +43,16 @@ def accept_histogram(records: Sequence[TurnRecord]) -> dict[str, int] | None:
     return {str(accepted): counts[accepted] for accepted in sorted(counts)}
 
 
+def budget_histogram(records: Sequence[TurnRecord]) -> dict[str, int] | None:
+    """Steps per tree budget (JSON keys; several under an adaptive budget), None without a tree."""
+    counts: Counter[int] = Counter()
+    for record in records:
+        if record.generation.budgets is None:
+            return None
+        counts.update(record.generation.budgets)
+    return {str(budget): counts[budget] for budget in sorted(counts)}
+
+
 def summarise(
     method: Method,
     dataset: str,
@@ -57,10 +67,12 @@ def summarise(
     steps = sum(g.steps for g in generations)
     divergences = [r.divergence for r in records if r.divergence is not None]
     speed = tokens_per_s(records)
+    budgets = budget_histogram(records)
     return {
         "method": method.name,
         "dataset": dataset,
-        "budget": method.budget,
+        # an adaptive budget's run is named by the budget it used most
+        "budget": int(max(budgets, key=budgets.get)) if budgets else method.budget,
         "n_prompts": len({record.sample_id for record in records}),
         "new_tokens": tokens,
         "tau": tokens / steps if steps else 0.0,
@@ -75,6 +87,7 @@ def summarise(
         "wall_s": wall,
         "verify_share": sum(g.verify_s for g in generations) / wall if wall > 0 else 0.0,
         "accept_histogram": accept_histogram(records),
+        "budget_histogram": budgets,
         "rounding_ties": sum(d.kind == "tie" for d in divergences),
         "divergences": [d.as_dict() for d in divergences],
     }

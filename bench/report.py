@@ -26,8 +26,16 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]
     return lines
 
 
-def _budget(run: dict[str, Any]) -> str:
-    return "-" if run["budget"] is None else str(run["budget"])
+def budget_label(run: dict[str, Any]) -> str:
+    """The budget; an adaptive run's most used one with each budget's share of its steps."""
+    if run["budget"] is None:
+        return "-"
+    histogram = run.get("budget_histogram") or {}
+    if len(histogram) <= 1:
+        return str(run["budget"])
+    steps = sum(histogram.values())
+    shares = ", ".join(f"{budget}: {count / steps:.0%}" for budget, count in histogram.items())
+    return f"{run['budget']} (adaptive; {shares})"
 
 
 def _histogram(run: dict[str, Any]) -> str:
@@ -118,7 +126,7 @@ def _dataset_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
             [
                 [
                     f"`{r['method']}`",
-                    _budget(r),
+                    budget_label(r),
                     f"{r['tau']:.2f}",
                     f"{r['tokens_per_s']:.1f}",
                     f"{r['speedup_vs_ar']:.2f}x",
@@ -134,7 +142,7 @@ def _dataset_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 def _acceptance(runs: Sequence[dict[str, Any]]) -> list[str]:
     rows = [
-        [f"`{r['method']}`", _budget(r), r["dataset"], _histogram(r)]
+        [f"`{r['method']}`", budget_label(r), r["dataset"], _histogram(r)]
         for r in runs
         if r["method"] != "ar" and r.get("accept_histogram") != {"0": r["steps"]}
     ]
@@ -155,7 +163,7 @@ def _divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
     rows = [
         [
             f"`{r['method']}`",
-            _budget(r),
+            budget_label(r),
             r["dataset"],
             d["sample_id"],
             d["turn"],

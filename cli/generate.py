@@ -26,8 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tree-policy", help="tree policy plugin name (default: the drafter's)")
     parser.add_argument(
         "--budget",
-        help="drafted tree nodes per step, or 'auto' for the budget `jetflow calibrate` chose "
-        "(default: auto when calibrated, else 16)",
+        help="drafted tree nodes per step, or 'auto': start from the budget `jetflow calibrate` chose "
+        "and re-choose it every step from the acceptance seen (default: auto when calibrated, else 16)",
+    )
+    parser.add_argument(
+        "--no-adapt",
+        dest="adapt",
+        action="store_false",
+        default=None,
+        help="keep the calibrated budget for the whole run instead of re-choosing it",
     )
     parser.add_argument("--width", type=int, help="children proposed per expanded node")
     parser.add_argument("--max-depth", type=int, help="deepest tree level")
@@ -57,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
             "budget": args.budget,
             "width": args.width,
             "max_depth": args.max_depth,
+            "adapt": args.adapt,
         }.items()
         if value is not None
     }
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(result.text)
     print()
-    _print_stats(_describe(engine), result)
+    _print_stats(_describe(engine, result), result)
     if baseline is not None:
         _print_stats("ar", baseline)
         same = "identical" if baseline.token_ids == result.token_ids else "DIFFERENT"
@@ -123,13 +131,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(engine: Engine) -> str:
-    """``drafter:policy B=<budget> (<where the budget came from>)``, or ``ar``."""
-    if engine.budget is None:
+def _describe(engine: Engine, result: GenerationResult) -> str:
+    """``drafter:policy B=<budget> (<where the budget came from>)``, or ``ar``.
+
+    An adaptive budget shows the steps run at each budget: ``B=2 (adaptive: 0x12 2x40)``.
+    """
+    if result.budget is None:
         return engine.method
-    note = "no drafting" if engine.budget == 0 else ""
+    if engine.adaptive is not None:
+        steps = " ".join(f"{budget}x{count}" for budget, count in result.budget_histogram().items())
+        return f"{engine.method} B={result.budget} ({engine.budget_source}: {steps})"
+    note = "no drafting" if result.budget == 0 else ""
     source = ", ".join(part for part in (engine.budget_source, note) if part)
-    return f"{engine.method} B={engine.budget} ({source})"
+    return f"{engine.method} B={result.budget} ({source})"
 
 
 def _as_json(result: GenerationResult) -> dict[str, Any]:

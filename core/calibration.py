@@ -4,9 +4,13 @@ The budget that pays off depends on the hardware and the load (REFERENCE.md: 128
 on an H100, far fewer on a 2-core CPU), so it is measured rather than fixed:
 
 * ``T(n)``: the target's verify latency for a tree of ``n`` nodes (the real
-  :meth:`Target.verify`, acceptance and commit on real trees; medians after warm-up, made
-  non-decreasing in ``n`` (a dip is load noise) and interpolated between grid sizes).
-  Batch size is 1: the engine decodes one sequence at a time.
+  :meth:`Target.verify`, acceptance and commit on real trees; medians after warm-up),
+  measured at every candidate's own tree size ``B + 1`` and on a grid between them.
+  Interpolation alone misleads: on the 2-core CPU this was written on, a calibration measured
+  ``T(2)`` 91 ms and ``T(4)`` 130 ms and charged budget 2 the line between them, 110 ms, while
+  its steps in the benchmark verified 3 nodes in 85 ms (the matrix kernels' blocking makes
+  ``T`` a staircase), and budget 2 was then the fastest fixed budget. Batch size is 1: the
+  engine decodes one sequence at a time.
 * ``tau(B)`` and the draft cost per step at budget ``B``: the engine itself on a few
   calibration prompts (never benchmark prompts), with draft time = ``drafter.begin`` plus
   the policy's build, exactly as the loop spends it.
@@ -53,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: the no-drafting point (budget 0) is part of the choice
+SCHEMA_VERSION = 3  # 2: the no-drafting point (budget 0); 3: T measured at every B + 1
 #: predictions within this relative distance of the best count as equal; the smaller budget wins.
 #: Repeated calibrations of one setup on this 2-core machine, under load, moved the expected speed
 #: of budgets 0-2 by 3-7% from run to run, while the ranking of clearly different budgets held.
@@ -318,20 +322,22 @@ def save_calibration(calibration: Calibration) -> Path:
     return path
 
 
-BudgetSource = Literal["fixed", "calibrated", "default"]
+#: "adaptive": calibrated, then re-chosen every step (:mod:`jetflow.core.adaptive`)
+BudgetSource = Literal["fixed", "calibrated", "adaptive", "default"]
 
 
 def resolve_budget(
     requested: int | str | None, key: CalibrationKey, target_spec: str = DEFAULT_TARGET
-) -> tuple[int, BudgetSource]:
-    """The budget an engine runs: a fixed one as given; ``auto`` or unset from the calibration.
+) -> tuple[int, BudgetSource, Calibration | None]:
+    """The budget an engine starts with, where it came from, and the calibration behind it.
 
+    A fixed budget is taken as given; ``auto`` or unset come from the cached calibration.
     Unset falls back to :data:`DEFAULT_BUDGET` when nothing (usable) is cached, so a first
     run never stops to measure; ``auto`` is an explicit request and fails with what to run
     (``target_spec`` is the target as the user named it, for that command).
     """
     if isinstance(requested, int):
-        return requested, "fixed"
+        return requested, "fixed", None
     try:
         calibration = load_calibration(key)
     except ConfigError as error:
@@ -341,13 +347,13 @@ def resolve_budget(
         calibration = None
     if calibration is not None:
         log.info("budget %d from calibration: %s", calibration.budget, calibration.reason())
-        return calibration.budget, "calibrated"
+        return calibration.budget, "calibrated", calibration
     if requested == "auto":
         raise ConfigError(
             f"--budget auto needs a calibration and there is none for {key.describe()}; "
             f"run `{calibrate_command(key, target_spec)}` first (or pass a fixed --budget)"
         )
-    return DEFAULT_BUDGET, "default"
+    return DEFAULT_BUDGET, "default", None
 
 
 def calibrate_command(key: CalibrationKey, target_spec: str = DEFAULT_TARGET) -> str:
@@ -441,7 +447,8 @@ def calibrate(
     """Measure ``T(n)``, ``tau(B)`` and the draft cost, and choose the budget (not saved).
 
     ``config`` names the drafter, policy, tree shape and verifier; its budget is ignored.
-    ``tree_sizes`` defaults to the grid up to ``max(budgets) + 1``, which is always included.
+    ``tree_sizes`` defaults to the grid up to ``max(budgets) + 1``; every ``B + 1`` is always
+    measured too.
     With ``early_stop``, budgets after the expected speed has clearly peaked are skipped
     (see :func:`_past_the_peak`): on a CPU they are the slowest to measure and never win.
     """
@@ -453,7 +460,8 @@ def calibrate(
     if not budgets or budgets[0] < 1:
         raise ConfigError(f"calibration budgets must be integers >= 1, got {budgets}")
     largest = budgets[-1] + 1
-    sizes = sorted({n for n in (tree_sizes or DEFAULT_TREE_SIZES) if 1 <= n <= largest} | {1, largest})
+    grid = {n for n in (tree_sizes or DEFAULT_TREE_SIZES) if 1 <= n <= largest}
+    sizes = sorted(grid | {1} | {budget + 1 for budget in budgets})
 
     first = engine_at(config, target, budgets[0], registry)
     key = CalibrationKey.of(target, first.drafter, first.policy, first.verifier, config.tree)

@@ -65,6 +65,11 @@ class TreeConfig(_Frozen):
         description="drafted nodes per step (root excluded); 'auto': the calibrated best; "
         f"unset: the calibrated best if `jetflow calibrate` ran for this setup, else {DEFAULT_BUDGET}",
     )
+    adapt: bool = Field(
+        True,
+        description="with a calibrated budget, re-choose it every step from the acceptance the "
+        "running generations show (the calibration's step costs, tau learned online)",
+    )
     width: int = Field(4, ge=1, description="children proposed per expanded node")
     max_depth: int = Field(16, ge=1, description="deepest tree level")
     params: dict[str, Any] = Field(default_factory=dict)

@@ -143,6 +143,11 @@ class TreeShape:
 class TreePolicy(Plugin, ABC):
     """Builds a draft tree by asking a session for children under a budget."""
 
+    #: True if the tree of budget ``b`` is always the ``b`` best-scored nodes of the tree of any
+    #: larger budget (from the same session): one verified step then shows what every smaller
+    #: budget would have accepted, which the adaptive budget learns from.
+    nested: ClassVar[bool] = False
+
     def __init__(self, params: BaseModel) -> None:
         self.params = params
 

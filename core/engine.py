@@ -7,9 +7,12 @@ autoregressive baseline every speedup is measured against.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
+from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration import BudgetSource, CalibrationKey, resolve_budget
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import DraftContext, Drafter, TreePolicy, TreeShape, Verifier
@@ -47,6 +50,8 @@ class Engine:
         verifier_cls = registry.get("verifier", config.verifier)
         self.verifier: Verifier = verifier_cls(verifier_cls.Params.model_validate(config.verifier_params))
         self.budget_source: BudgetSource = "fixed"
+        #: re-chooses the budget every step when it comes from a calibration (``tree.adapt``)
+        self.adaptive: AdaptiveBudget | None = None
         self.shape = TreeShape(self._resolve_budget(), config.tree.width, config.tree.max_depth)
 
     def _resolve_budget(self) -> int:
@@ -58,17 +63,27 @@ class Engine:
             self.budget_source = "default"
             return DEFAULT_BUDGET
         key = CalibrationKey.of(self.target, self.drafter, self.policy, self.verifier, self.config.tree)
-        budget, self.budget_source = resolve_budget(budget, key, self.config.target)
+        budget, self.budget_source, calibration = resolve_budget(budget, key, self.config.target)
+        if calibration is not None and self.config.tree.adapt:
+            self.adaptive = AdaptiveBudget.from_calibration(calibration)
+            self.budget_source = "adaptive"
+            return self.adaptive.choice  # the calibration's own choice, by the same rule
         return budget
 
     @property
     def budget(self) -> int | None:
+        """The fixed budget, or where an adaptive one starts (None for the baseline)."""
         return self.shape.budget if self.drafter else None
 
     @property
+    def largest_budget(self) -> int:
+        """The largest tree a step may draft."""
+        return self.adaptive.largest if self.adaptive else self.shape.budget
+
+    @property
     def drafting(self) -> bool:
-        """False for the baseline and at budget 0 (where the drafter is never asked)."""
-        return self.drafter is not None and self.shape.budget > 0
+        """Whether any step may draft: not for the baseline nor at a fixed budget of 0."""
+        return self.drafter is not None and self.largest_budget > 0
 
     @property
     def method(self) -> str:
@@ -86,11 +101,11 @@ class Engine:
         """Decode ``prompt`` (text, chat messages or token ids) until a stop condition."""
         limit = max_new_tokens or self.config.max_new_tokens
         ids = self.prompt_ids(prompt)
-        context_needed = len(ids) + limit + self.shape.budget + 1
+        context_needed = len(ids) + limit + self.largest_budget + 1
         if context_needed > self.target.context_length:
             raise TargetError(
                 f"the prompt has {len(ids)} tokens; with max_new_tokens={limit} and a tree of "
-                f"{self.shape.budget} it needs {context_needed} positions, but the target's "
+                f"{self.largest_budget} it needs {context_needed} positions, but the target's "
                 f"context window is {self.target.context_length}"
             )
         generator = torch.Generator().manual_seed(self.config.seed)
@@ -106,8 +121,14 @@ class Engine:
         steps: list[StepRecord] = []
         finish: FinishReason | None = None
         while finish is None:
+            budget = self.adaptive.next_budget() if self.adaptive else self.shape.budget
+            asked = self.drafting and budget > 0
             t0 = time.perf_counter()
-            tree, forwards = self._draft(DraftContext(tokens, features, cache.get_seq_length()))
+            if asked:
+                context = DraftContext(tokens, features, cache.get_seq_length())
+                tree, forwards, nested = self._draft(context, budget)
+            else:
+                tree, forwards, nested = DraftTree.root(int(tokens[-1])), 0, True
             t1 = time.perf_counter()
             n_cached = cache.get_seq_length()
             out = self.target.verify(cache, tree, layers)
@@ -115,12 +136,16 @@ class Engine:
             self.target.commit(cache, n_cached, decision.path)
             t2 = time.perf_counter()
 
+            if self.adaptive:
+                self.adaptive.observe(tree, decision.path, budget, nested)
             emitted = [*tree.tokens[decision.path[1:]].tolist(), decision.next_token]
-            steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards))
+            steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards, budget))
             emitted, finish = self._truncate(new, emitted, limit)
             new.extend(emitted)
             tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long)])
-            features = None if out.features is None else out.features[decision.path]
+            if out.features is not None:  # a step without drafting leaves its features for the next
+                fresh = out.features[decision.path]
+                features = fresh if asked or features is None else torch.cat([features, fresh])
         wall = time.perf_counter() - start
         return GenerationResult(
             prompt_ids=ids,
@@ -128,26 +153,33 @@ class Engine:
             text=self.target.decode(new),
             finish_reason=finish,
             wall_s=wall,
-            budget=self.budget,
+            budget=self._budget_run(steps),
             steps=steps,
         )
 
-    def _draft(self, context: DraftContext) -> tuple[DraftTree, int]:
-        """This step's tree and the drafter forwards it cost (the root alone without a drafter).
+    def _budget_run(self, steps: Sequence[StepRecord]) -> int | None:
+        """The budget of a run: the fixed one, or the one an adaptive run used most."""
+        if self.adaptive is None or not steps:
+            return self.budget
+        return Counter(step.budget for step in steps).most_common(1)[0][0]
 
+    def _draft(self, context: DraftContext, budget: int) -> tuple[DraftTree, int, bool]:
+        """This step's tree, the drafter forwards it cost, and whether the tree is nested.
+
+        Nested (:attr:`TreePolicy.nested`): its ``b`` best nodes are the tree of budget ``b``.
         A session offering ``refine`` gets the built tree back and the policy builds again
-        from the refined session (e.g. JetFlow's path-conditioned refresh).
+        from the refined session (e.g. JetFlow's path-conditioned refresh); the rebuilt tree
+        is scored by the refined session and is not nested.
         """
         root = DraftTree.root(int(context.tokens[-1]))
-        if not self.drafting:
-            return root, 0
+        shape = replace(self.shape, budget=budget)
         session = self.drafter.begin(context)
-        tree = self.policy.build(session, root, self.shape)
+        tree = self.policy.build(session, root, shape)
         refine = getattr(session, "refine", None)
         if refine is not None:
             session = refine(tree)
-            tree = self.policy.build(session, root, self.shape)
-        return tree, int(getattr(session, "forwards", 0))
+            tree = self.policy.build(session, root, shape)
+        return tree, int(getattr(session, "forwards", 0)), self.policy.nested and refine is None
 
     def _truncate(
         self, done: list[int], emitted: list[int], limit: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +20,7 @@ class StepRecord:
         verify_s: seconds spent in the target forward, acceptance and cache commit.
         draft_forwards: drafter model forwards run to build the tree (a session's ``forwards``;
             0 for a model-free drafter, 1 for a parallel head, one per level for EAGLE).
+        budget: the step's tree budget (0 when nothing was drafted).
     """
 
     accepted: int
@@ -26,6 +28,7 @@ class StepRecord:
     draft_s: float
     verify_s: float
     draft_forwards: int = 0
+    budget: int = 0
 
 
 @dataclass
@@ -61,7 +64,7 @@ class GenerationResult:
     def draft_forwards(self) -> int:
         return sum(step.draft_forwards for step in self.steps)
 
-    def stats(self) -> dict[str, float | int | None]:
+    def stats(self) -> dict[str, object]:
         """The summary printed by ``jetflow generate --json``."""
         return {
             "new_tokens": self.new_tokens,
@@ -73,7 +76,13 @@ class GenerationResult:
             "verify_s": round(self.verify_s, 4),
             "draft_forwards_per_step": round(self.draft_forwards / max(len(self.steps), 1), 4),
             "budget": self.budget,
+            "budgets": self.budget_histogram() if self.budget is not None else None,
         }
+
+    def budget_histogram(self) -> dict[str, int]:
+        """How many steps ran at each budget (one entry unless the budget is adaptive)."""
+        counts = Counter(step.budget for step in self.steps)
+        return {str(budget): counts[budget] for budget in sorted(counts)}
 
     def accept_histogram(self) -> dict[int, int]:
         """How many steps accepted each number of drafted tokens."""

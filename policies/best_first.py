@@ -11,6 +11,7 @@ from jetflow.policies.levelwise import grow_levelwise
 class BestFirst(TreePolicy):
     name = "best-first"
     description = "best-first search on cumulative draft log-probability under a node budget"
+    nested = True  # the budget-b tree is the b best-scored nodes (see levelwise)
 
     def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
         return grow_levelwise(session, root, shape, frontier=shape.budget)

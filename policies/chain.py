@@ -13,6 +13,7 @@ from jetflow.policies.levelwise import grow_levelwise
 class Chain(TreePolicy):
     name = "chain"
     description = "one path of the drafter's top-1 proposals, as long as the budget allows"
+    nested = True  # a shorter chain is the start of a longer one
 
     def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
         chain_shape = replace(shape, width=1, max_depth=min(shape.max_depth, shape.budget))

@@ -1,10 +1,15 @@
-"""``auto`` among the bench budgets: the calibrated budget, run under its own method name."""
+"""``auto`` among the bench budgets: run under its own method name, reported by the budgets it used."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from jetflow.bench.config import load_bench_config
+from jetflow.bench.generation import Generation
 from jetflow.bench.methods import build_methods
+from jetflow.bench.metrics import TurnRecord, summarise
+from jetflow.bench.report import budget_label
 from jetflow.core import calibration as cal
 from jetflow.core.config import GenerateConfig
 from jetflow.core.errors import ConfigError
@@ -36,3 +41,22 @@ def test_auto_without_a_calibration_says_what_to_run(bench_target: Target) -> No
 def test_bad_budget_lists_are_config_errors(budgets: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_bench_config(None, {"budgets": budgets})
+
+
+def test_an_adaptive_run_is_named_by_its_most_used_budget_and_shows_the_mix() -> None:
+    def generation(budgets: tuple[int, ...]) -> Generation:
+        return Generation((5,) * len(budgets), 1.0, len(budgets), 0.1, 0.9, (0,) * len(budgets), budgets)
+
+    method = SimpleNamespace(name="ngram@auto", budget=0, policy="best-first")
+    records = [TurnRecord("a", 0, (1,), generation((0, 0, 2))), TurnRecord("b", 0, (1,), generation((2, 2)))]
+    run = summarise(method, "champ", "float32", records, ar_tokens_per_s=2.5)
+    assert (run["budget"], run["budget_histogram"]) == (2, {"0": 2, "2": 3})
+    assert budget_label(run) == "2 (adaptive; 0: 40%, 2: 60%)"
+    fixed = summarise(
+        SimpleNamespace(name="ngram", budget=4, policy="best-first"),
+        "champ",
+        "float32",
+        [TurnRecord("a", 0, (1,), generation((4, 4)))],
+        ar_tokens_per_s=2.5,
+    )
+    assert (fixed["budget"], budget_label(fixed)) == (4, "4")

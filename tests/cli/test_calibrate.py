@@ -7,6 +7,7 @@ the chosen budget.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,12 @@ def test_calibrate_json_then_auto_budget_everywhere(capsys, target_dir: str) -> 
     assert payload["cached"] is False and Path(payload["path"]).is_file()
 
     for budget_flags in (["--budget", "auto"], []):
-        code, result, _ = _generate(capsys, target_dir, *budget_flags)
+        code, result, _ = _generate(capsys, target_dir, *budget_flags, "--no-adapt")
         assert code == 0 and result["stats"]["budget"] == payload["budget"]
+        assert result["stats"]["budgets"] == {str(payload["budget"]): result["stats"]["steps"]}
+        code, result, _ = _generate(capsys, target_dir, *budget_flags)  # adaptive: calibrated candidates
+        assert code == 0 and set(result["stats"]["budgets"]) <= set(speeds)
+        assert str(result["stats"]["budget"]) in result["stats"]["budgets"]
     code, result, _ = _generate(capsys, target_dir, "--budget", "7")
     assert code == 0 and result["stats"]["budget"] == 7
 
@@ -142,5 +147,7 @@ def test_generate_names_the_budget_and_where_it_came_from(capsys, target_dir: st
     code, out, _ = _run(capsys, *base, "--budget", "0")
     assert code == 0 and "[ngram:best-first B=0 (fixed, no drafting)]" in out
     code, payload, _ = _calibrate(capsys, target_dir)
-    code, out, _ = _run(capsys, *base)
+    code, out, _ = _run(capsys, *base, "--no-adapt")
     assert code == 0 and f"B={payload['budget']} (calibrated" in out
+    code, out, _ = _run(capsys, *base)
+    assert code == 0 and re.search(r"\[ngram:best-first B=\d+ \(adaptive: (\d+x\d+ ?)+\)\]", out)

@@ -39,7 +39,12 @@ def _record(key: cal.CalibrationKey, budget: int = 3) -> cal.Calibration:
     """A hand-written calibration whose best budget is ``budget`` (one of 1, ``budget``, 9)."""
     points = [
         cal.BudgetPoint(
-            budget=b, tau=1.5, draft_ms=1.0, verify_ms=2.0, mean_tree_size=b, expected_tokens_per_s=speed
+            budget=b,
+            tau=speed / 100,
+            draft_ms=4.0,
+            verify_ms=6.0,
+            mean_tree_size=b,
+            expected_tokens_per_s=speed,
         )
         for b, speed in ((1, 100.0), (budget, 300.0), (9, 200.0))
     ]
@@ -175,11 +180,14 @@ def test_auto_and_unset_budgets_resolve_to_the_calibrated_integer(tiny_llama: Ta
     cal.save_calibration(_record(_key(tiny_llama), budget=3))
     for budget in ("auto", None):
         tree = {} if budget is None else {"budget": budget}
-        engine = Engine(_config(tree=tree), tiny_llama)
+        engine = Engine(_config(tree=tree | {"adapt": False}), tiny_llama)
         assert (engine.budget, engine.budget_source) == (3, "calibrated")
         result = engine.generate(PROMPTS[0], max_new_tokens=6)
         assert result.stats()["budget"] == 3
         assert max(step.tree_size for step in result.steps) <= 4
+        adaptive = Engine(_config(tree=tree), tiny_llama)  # the default: re-chosen every step
+        assert (adaptive.budget, adaptive.budget_source) == (3, "adaptive")
+        assert adaptive.generate(PROMPTS[0], max_new_tokens=6).steps[0].budget == 3
     fixed = Engine(_config(tree={"budget": 5}), tiny_llama)
     assert (fixed.budget, fixed.budget_source) == (5, "fixed")
     assert fixed.generate(PROMPTS[0], max_new_tokens=4).stats()["budget"] == 5

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from jetflow.core import calibration as cal
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.contracts import DraftContext
 from jetflow.core.engine import Engine
@@ -12,6 +15,8 @@ from jetflow.core.tree import DraftTree
 from jetflow.drafters.jetflow.plugin import BlockHeadParams, JetFlowDrafter, PerDepthSession
 from jetflow.drafters.training.examples import capture_sequences, collate
 from jetflow.drafters.training.trainer import accepted_lengths
+
+from tests.core.test_adaptive import calibration_record
 
 from .tiny_heads import LAYERS, jetflow_registered, quick_trainer, save_head, tiny_head
 
@@ -116,6 +121,34 @@ def test_engine_with_jetflow_is_lossless(tiny_llama, trained_head, small_vocab_h
             assert result.token_ids == want, (policy, budget, prompt)
             accepted += sum(step.accepted for step in result.steps)
     assert accepted > 0  # the trained head's drafts do get accepted
+
+
+def test_steps_without_drafting_keep_the_heads_context_in_step(
+    tiny_llama, trained_head, tmp_path, monkeypatch
+) -> None:
+    """An adaptive budget switches between no drafting and trees; the features of the steps the
+    drafter skipped reach it at the next drafting step, so it stays in step and lossless."""
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+    fields = {
+        "drafter": "jetflow",
+        "drafter_params": {"checkpoint": str(trained_head)},
+        "tree": {"budget": "auto", "width": 3},
+        "max_new_tokens": 40,
+        "stop_at_eos": False,
+    }
+    config = build_config(GenerateConfig, fields)
+    # no drafting calibrated best, budget 2 just as good: probes at 2 start at once
+    record = calibration_record(cal.key_for(config, tiny_llama), {0: 1.0, 2: 1.2}, {0: 10.0, 2: 12.0})
+    cal.save_calibration(record)
+    engine = Engine(config, tiny_llama)
+    assert engine.budget == 0 and engine.drafting
+    baseline = _engine(tiny_llama, drafter="none", max_new_tokens=40, stop_at_eos=False)
+    prompt = [5, 9, 14, 3, 22]
+    result = engine.generate(prompt)
+    assert result.token_ids == baseline.generate(prompt).token_ids
+    used = [step.budget for step in result.steps]
+    assert used[0] == 0 and 2 in used
+    assert any(a == 0 and b == 0 for a, b in itertools.pairwise(used))  # features piled up
 
 
 def test_the_trainers_chain_metric_is_what_the_engine_accepts(tiny_llama, trainer, trained_head) -> None:

@@ -1,0 +1,150 @@
+"""The adaptive budget: calibrated step costs, acceptance learned from the running generations.
+
+A calibration measures what a step costs at each budget on this machine and how many tokens it
+accepts on the calibration's own prompts. The cost is a property of the machine; acceptance is
+a property of the text. The bench showed how far the two can part: at budget 2 the calibration
+prompts gave tau 1.28, CHAMP 1.44 and HumanEval 1.29, so one static choice was 9% slower than
+the best fixed budget on CHAMP. Here the costs stay calibrated and tau is re-estimated online:
+
+* **Nested observations.** For a policy whose budget-``b`` tree is the ``b`` best-scored nodes
+  of any larger tree (:attr:`TreePolicy.nested`: best-first, chain), one verified step at
+  budget ``B`` tells how many tokens every budget ``b <= B`` would have accepted: the accepted
+  path up to its first node ranked below ``b``. Exact under greedy verification (the target's
+  choice at a node does not depend on its siblings); an estimate under sampling. Other
+  policies are observed at the budget they ran.
+* **Estimates** are discounted means (old steps fade, so a new workload takes over) shrunk
+  toward the calibrated tau, which counts as ``prior_weight`` steps.
+* **Exploration.** Every ``probe_every``-th step may run a larger budget than the choice:
+  the one with the best optimistic speed (tau plus ``optimism`` tokens over the square root
+  of its observation count), if that beats the choice's estimate. So a budget the calibration
+  under-rated is found, even past a neighbour that is no better; once a budget has been seen
+  often enough to be ruled out it is no longer probed. With a nested policy a probe also
+  refreshes every smaller budget.
+* **Choice**: the calibration's own rule (:func:`choose_budget`): the smallest budget whose
+  expected tokens per second is within the tolerance of the best.
+
+The controller never reads the clock: the budget sequence depends only on the tokens, so a
+seeded sampled generation on a fresh engine is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from jetflow.core.calibration import CHOICE_TOLERANCE, Calibration, choose_budget
+from jetflow.core.tree import DraftTree
+
+#: the calibrated tau counts as this many observed steps
+PRIOR_WEIGHT = 2.0
+#: per-step forgetting factor of the observed means (an effective memory of ~100 steps)
+FORGETTING = 0.99
+#: every this many steps, a larger budget may be probed
+PROBE_EVERY = 4
+#: a probe's optimism in tokens per step, divided by sqrt(observations): about one standard
+#: deviation of a step's emitted tokens (0.5-0.9 at tau 1.3-1.8), so a budget is no longer
+#: probed once a dozen observations place it clearly below the choice
+OPTIMISM = 0.5
+
+
+class AdaptiveBudget:
+    """Chooses each step's budget from calibrated costs and acceptance seen so far."""
+
+    def __init__(
+        self,
+        budgets: Sequence[int],
+        cost_s: Sequence[float],
+        prior_tau: Sequence[float],
+        *,
+        prior_weight: float = PRIOR_WEIGHT,
+        forgetting: float = FORGETTING,
+        probe_every: int = PROBE_EVERY,
+        optimism: float = OPTIMISM,
+        tolerance: float = CHOICE_TOLERANCE,
+    ) -> None:
+        order = np.argsort(np.asarray(budgets), kind="stable")
+        self.budgets = np.asarray(budgets, dtype=np.int64)[order]
+        self.cost_s = np.asarray(cost_s, dtype=float)[order]
+        self.prior_tau = np.asarray(prior_tau, dtype=float)[order]
+        if len(self.budgets) == 0 or np.any(self.cost_s <= 0) or len(set(self.budgets.tolist())) < len(order):
+            raise ValueError("an adaptive budget needs distinct budgets with positive costs")
+        self.prior_weight = prior_weight
+        self.forgetting = forgetting
+        self.probe_every = probe_every
+        self.optimism = optimism
+        self.tolerance = tolerance
+        self._emitted = np.zeros(len(self.budgets))  # discounted sums of tokens per step
+        self._steps = np.zeros(len(self.budgets))  # discounted step counts
+        self._asked = 0
+        self.choice = self._choose()
+
+    @classmethod
+    def from_calibration(cls, calibration: Calibration, **options: float) -> AdaptiveBudget:
+        """Candidates are the calibration's measured budgets (budget 0, no drafting, among them)."""
+        points = calibration.points
+        return cls(
+            [p.budget for p in points],
+            [(p.draft_ms + p.verify_ms) / 1e3 for p in points],
+            [p.tau for p in points],
+            **options,
+        )
+
+    @property
+    def largest(self) -> int:
+        return int(self.budgets[-1])
+
+    def tau(self) -> np.ndarray:
+        """Estimated tokens per step at each candidate budget."""
+        w = self.prior_weight
+        return (w * self.prior_tau + self._emitted) / (w + self._steps)
+
+    def expected_tokens_per_s(self) -> dict[int, float]:
+        speeds = self.tau() / self.cost_s
+        return dict(zip(self.budgets.tolist(), speeds.tolist(), strict=True))
+
+    def next_budget(self) -> int:
+        """The budget of the next step: the choice, or on a probe step a promising larger one."""
+        self._asked += 1
+        if self._asked % self.probe_every:
+            return self.choice
+        speeds = self.tau() / self.cost_s
+        optimistic = (self.tau() + self.optimism / np.sqrt(self.prior_weight + self._steps)) / self.cost_s
+        optimistic[self.budgets <= self.choice] = -np.inf
+        probe = int(np.argmax(optimistic))
+        current = speeds[int(np.searchsorted(self.budgets, self.choice))]
+        return int(self.budgets[probe]) if optimistic[probe] > current else self.choice
+
+    def observe(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
+        """Learn from one verified step that ran at ``budget`` and accepted ``path`` (root first)."""
+        self._emitted *= self.forgetting
+        self._steps *= self.forgetting
+        if nested:
+            seen = self.budgets <= budget
+            emitted = 1 + accepted_within(tree, path, self.budgets[seen])
+        else:
+            seen = self.budgets == budget
+            emitted = float(len(path))  # the root plus the accepted drafted tokens
+        self._emitted[seen] += emitted
+        self._steps[seen] += 1.0
+        self.choice = self._choose()
+
+    def _choose(self) -> int:
+        speeds = self.tau() / self.cost_s
+        return choose_budget(self.budgets.tolist(), speeds.tolist(), self.tolerance)
+
+
+def accepted_within(tree: DraftTree, path: torch.Tensor, budgets: np.ndarray) -> np.ndarray:
+    """Drafted tokens the accepted ``path`` keeps inside the ``b`` best-scored nodes, per ``b``.
+
+    Ranks follow the policies' own order (a stable sort of the drafted nodes by descending
+    score, so a parent ranks before an equally scored child): the budget-``b`` tree of a
+    nested policy is exactly the nodes of rank ``<= b``.
+    """
+    order = torch.sort(tree.scores[1:], descending=True, stable=True).indices
+    rank = torch.empty(tree.size, dtype=torch.long)
+    rank[0] = 0
+    rank[order + 1] = torch.arange(1, tree.size)
+    path_ranks = rank[path[1:]].numpy()
+    inside = path_ranks[None, :] <= budgets[:, None]  # [candidates, accepted]
+    return np.cumprod(inside, axis=1).sum(axis=1).astype(float)

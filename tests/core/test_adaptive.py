@@ -1,0 +1,213 @@
+"""The adaptive budget: nested observations, the online estimate, probing, and the engine using it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from jetflow.core import calibration as cal
+from jetflow.core.adaptive import AdaptiveBudget, accepted_within
+from jetflow.core.config import GenerateConfig, build_config
+from jetflow.core.contracts import TreeShape
+from jetflow.core.engine import Engine
+from jetflow.core.registry import default_registry
+from jetflow.core.target import Target
+from jetflow.core.tree import DraftTree
+
+PROMPT = [7, 8, 9, 10, 11] * 3 + [7]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+
+
+def _chain(scores: list[float]) -> DraftTree:
+    """Root plus a chain of ``len(scores)`` drafted nodes with these cumulative scores."""
+    n = len(scores)
+    return DraftTree(
+        tokens=torch.arange(n + 1),
+        parents=torch.arange(-1, n),
+        scores=torch.tensor([0.0, *scores]),
+    )
+
+
+def test_accepted_within_counts_the_path_up_to_its_first_node_outside_the_budget() -> None:
+    # root -> 1 (-0.1) -> 3 (-0.5) -> 4 (-0.9); 2 (-0.2) is a sibling of 1: ranks 1, 3, 4 on the path
+    tree = DraftTree(
+        tokens=torch.tensor([0, 11, 12, 13, 14]),
+        parents=torch.tensor([-1, 0, 0, 1, 3]),
+        scores=torch.tensor([0.0, -0.1, -0.2, -0.5, -0.9]),
+    )
+    path = torch.tensor([0, 1, 3, 4])
+    got = accepted_within(tree, path, np.array([0, 1, 2, 3, 4, 8]))
+    assert got.tolist() == [0, 1, 1, 2, 3, 3]
+
+
+class PathSeededSession:
+    """Children that depend only on the path to a node, as a real drafter's do."""
+
+    max_depth = None
+
+    def children(self, tree: DraftTree, nodes: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logprobs = [], []
+        for node in nodes.tolist():
+            seed = hash(tuple(tree.tokens[tree.path(node)].tolist())) % 2**31
+            generator = torch.Generator().manual_seed(seed)
+            tokens.append(torch.randperm(64, generator=generator)[:k])
+            logprobs.append(-torch.rand(k, generator=generator).sort().values * 3)
+        return torch.stack(tokens), torch.stack(logprobs)
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(t for t in row if t >= 0) for row in tree.path_tokens.tolist()}
+
+
+@pytest.mark.parametrize("policy_name", ["best-first", "chain"])
+def test_a_nested_policy_builds_every_smaller_budget_tree_as_the_best_nodes_of_a_larger(
+    policy_name: str,
+) -> None:
+    """What ``nested`` promises, on the real policies: top-b of the budget-B tree == budget-b tree."""
+    policy_cls = default_registry().get("tree_policy", policy_name)
+    policy = policy_cls(policy_cls.Params())
+    assert policy.nested
+    for root in range(5):
+        large = policy.build(PathSeededSession(), DraftTree.root(root), TreeShape(24, 3, 6))
+        order = torch.sort(large.scores[1:], descending=True, stable=True).indices + 1
+        for budget in (1, 2, 5, 11):
+            keep = torch.zeros(large.size, dtype=torch.bool)
+            keep[order[:budget]] = True
+            small = policy.build(PathSeededSession(), DraftTree.root(root), TreeShape(budget, 3, 6))
+            assert _paths(large.select(keep)) == _paths(small)
+
+
+def _controller(**options) -> AdaptiveBudget:
+    """Budgets 0-4 where the calibration's tau makes no drafting best (a loaded CPU's shape)."""
+    return AdaptiveBudget(
+        budgets=[0, 1, 2, 4],
+        cost_s=[0.078, 0.100, 0.102, 0.141],
+        prior_tau=[1.0, 1.20, 1.28, 1.36],
+        **options,
+    )
+
+
+def test_it_starts_at_the_calibrated_choice_and_probes_larger_budgets_while_they_may_pay() -> None:
+    controller = _controller(probe_every=4)
+    assert controller.choice == 0
+    used = [controller.next_budget() for _ in range(8)]
+    assert used[:3] == used[4:7] == [0, 0, 0] and used[3] > 0 and used[7] > 0
+    # once a budget has been seen often enough to be ruled out, probes stop
+    for _ in range(400):
+        budget = controller.next_budget()
+        controller.observe(_chain([-0.1] * budget), torch.tensor([0]), budget, nested=True)
+    assert controller.choice == 0
+    assert [controller.next_budget() for _ in range(8)] == [0] * 8
+
+
+def test_acceptance_above_the_calibration_moves_the_choice_up_past_a_no_better_neighbour() -> None:
+    """Each drafted depth accepted with probability 1/2: tau 1.5, 1.75, 1.94 at budgets 1, 2, 4
+    against the calibration's 1.20, 1.28, 1.36, so budget 2 (17.2 tokens/s) beats 0 (12.8)."""
+    controller = _controller()
+    rng = np.random.default_rng(0)
+    used = []
+    for _ in range(200):
+        budget = controller.next_budget()
+        used.append(budget)
+        accepted = min(budget, int(rng.geometric(0.5)) - 1)
+        tree = _chain([-0.1 * (i + 1) for i in range(budget)])
+        controller.observe(tree, torch.arange(accepted + 1), budget, nested=True)
+    assert used[0] == 0 and controller.choice == 2
+    assert used[-100:].count(2) > 80
+    assert controller.tau()[1:3] == pytest.approx([1.5, 1.75], abs=0.2)
+
+
+def test_acceptance_below_the_calibration_moves_the_choice_down() -> None:
+    controller = AdaptiveBudget(budgets=[0, 2, 8], cost_s=[0.08, 0.09, 0.12], prior_tau=[1.0, 1.6, 2.6])
+    assert controller.choice == 8
+    for _ in range(60):
+        budget = controller.next_budget()
+        controller.observe(_chain([-0.1] * budget), torch.tensor([0]), budget, nested=True)  # none kept
+    assert controller.choice == 0
+
+
+def test_a_policy_that_is_not_nested_teaches_only_the_budget_it_ran() -> None:
+    controller = _controller()
+    before = controller.tau()
+    controller.observe(_chain([-0.1, -0.2, -0.3, -0.4]), torch.arange(5), 4, nested=False)
+    after = controller.tau()
+    assert np.array_equal(before[:3], after[:3]) and after[3] > before[3]
+
+
+def test_invalid_candidates_are_refused() -> None:
+    with pytest.raises(ValueError):
+        AdaptiveBudget(budgets=[0, 0], cost_s=[0.1, 0.1], prior_tau=[1, 1])
+    with pytest.raises(ValueError):
+        AdaptiveBudget(budgets=[0, 1], cost_s=[0.1, 0.0], prior_tau=[1, 1])
+
+
+# ---------------------------------------------------------------------- the engine
+def _ngram_config(**tree) -> GenerateConfig:
+    return build_config(GenerateConfig, {"drafter": "ngram", "chat_template": False, "tree": tree})
+
+
+def calibration_record(
+    key: cal.CalibrationKey, taus: dict[int, float], cost_ms: dict[int, float]
+) -> cal.Calibration:
+    """A consistent hand-written calibration: these tau and step costs per budget."""
+    points = [
+        cal.BudgetPoint(
+            budget=b,
+            tau=taus[b],
+            draft_ms=0.0,
+            verify_ms=cost_ms[b],
+            mean_tree_size=b + 1,
+            expected_tokens_per_s=round(taus[b] / cost_ms[b] * 1e3, 3),
+        )
+        for b in sorted(taus)
+    ]
+    best = cal.choose_budget([p.budget for p in points], [p.expected_tokens_per_s for p in points])
+    return cal.Calibration(
+        key=key,
+        created="2026-01-01T00:00:00+00:00",
+        tree_sizes=sorted({1, *(b + 1 for b in taus)}),
+        verify_latency_ms=[cost_ms[b] for b in sorted(taus)],
+        points=points,
+        budget=best,
+        baseline_tokens_per_s=1e3 / cost_ms[0],
+        n_prompts=1,
+        max_new_tokens=8,
+        repeats=1,
+    )
+
+
+def test_the_engine_adapts_a_calibrated_budget_and_stays_lossless(tiny_llama: Target) -> None:
+    """Calibrated at 0 with a pessimistic tau; a repetitive prompt makes ngram trees pay."""
+    key = cal.key_for(_ngram_config(), tiny_llama)
+    cal.save_calibration(calibration_record(key, {0: 1.0, 2: 1.05, 6: 1.1}, {0: 10.0, 2: 11.0, 6: 12.0}))
+    engine = Engine(_ngram_config(budget="auto"), tiny_llama)
+    assert (engine.budget, engine.budget_source) == (0, "adaptive")
+    plain = Engine(build_config(GenerateConfig, {"drafter": "none", "chat_template": False}), tiny_llama)
+    results = [engine.generate(PROMPT, max_new_tokens=40) for _ in range(3)]  # it learns across them
+    expected = plain.generate(PROMPT, max_new_tokens=40).token_ids
+    assert all(result.token_ids == expected for result in results)
+    used = [step.budget for result in results for step in result.steps]
+    assert used[0] == 0 and set(used) <= {0, 2, 6} and max(used) > 0
+    last = results[-1].budget_histogram()
+    assert results[-1].stats()["budget"] == int(max(last, key=last.get)) > 0  # trees paid here
+    assert max(step.tree_size for result in results for step in result.steps) <= 7
+
+    pinned = Engine(_ngram_config(budget="auto", adapt=False), tiny_llama)
+    assert (pinned.budget_source, pinned.adaptive) == ("calibrated", None)
+    assert pinned.generate(PROMPT, max_new_tokens=12).budget_histogram() == {"0": 12}
+
+
+def test_an_adaptive_sampled_run_is_reproducible_from_its_seed(tiny_llama: Target) -> None:
+    """The controller never reads the clock: fresh engines with one seed give one output."""
+    fields = {"verifier": "sampling", "verifier_params": {"temperature": 1.0}, "seed": 5}
+    config = _ngram_config(budget="auto").model_copy(update=fields)
+    taus, cost_ms = {0: 1.0, 2: 1.2, 6: 1.3}, {0: 10.0, 2: 12.0, 6: 13.0}
+    cal.save_calibration(calibration_record(cal.key_for(config, tiny_llama), taus, cost_ms))
+    runs = [Engine(config, tiny_llama).generate(PROMPT, max_new_tokens=40) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert [s.budget for s in runs[0].steps] == [s.budget for s in runs[1].steps]
+    assert len(runs[0].budget_histogram()) > 1
