@@ -44,8 +44,9 @@ class DraftContext:
         tokens: ``[seq]`` every committed token; ``tokens[-1]`` is the root of the next tree
             and has not been processed by the target yet.
         features: ``[new, n_layers, hidden]`` target hidden states at the drafter's
-            ``feature_layers`` for the tokens processed since the previous step (the whole
-            prompt but its last token on the first step), or ``None`` if none were asked for.
+            ``feature_layers`` for the tokens processed since the drafter was last asked (the
+            whole prompt but its last token on the first step; several steps' worth after
+            steps at budget 0), or ``None`` if none were asked for.
         n_processed: how many of ``tokens`` the target has processed (its KV-cache length).
     """
 
