@@ -146,3 +146,7 @@ def _print_table(calibration: Calibration) -> None:
     )
     print(f"verify latency ms by tree size (batch {calibration.batch_size}): {latency}")
     print(f"chosen: {calibration.reason()}")
+    print(
+        "generation starts there and re-chooses among the budgets above every step, from the "
+        "acceptance it sees (--no-adapt keeps it)"
+    )
