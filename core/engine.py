@@ -77,7 +77,9 @@ class Engine:
 
     @property
     def largest_budget(self) -> int:
-        """The largest tree a step may draft."""
+        """The largest tree a step may draft (0 for the baseline)."""
+        if self.drafter is None:
+            return 0
         return self.adaptive.largest if self.adaptive else self.shape.budget
 
     @property
@@ -121,7 +123,7 @@ class Engine:
         steps: list[StepRecord] = []
         finish: FinishReason | None = None
         while finish is None:
-            budget = self.adaptive.next_budget() if self.adaptive else self.shape.budget
+            budget = self.adaptive.next_budget() if self.adaptive else self.largest_budget
             asked = self.drafting and budget > 0
             t0 = time.perf_counter()
             if asked:

@@ -84,6 +84,7 @@ def test_baseline_loop_equals_generate(tiny_target: Target) -> None:
     result = _engine(tiny_target, drafter="none", max_new_tokens=20).generate(prompt)
     assert result.token_ids == _reference(tiny_target, prompt, 20)
     assert result.tau == 1.0
+    assert {step.budget for step in result.steps} == {0} and result.stats()["budgets"] is None
 
 
 def test_max_new_tokens_is_exact_even_mid_path(tiny_llama: Target) -> None:
