@@ -99,20 +99,22 @@ class AdaptiveBudget:
         w = self.prior_weight
         return (w * self.prior_tau + self._emitted) / (w + self._steps)
 
+    def speeds(self) -> np.ndarray:
+        """Expected tokens per second at each candidate budget."""
+        return self.tau() / self.cost_s
+
     def expected_tokens_per_s(self) -> dict[int, float]:
-        speeds = self.tau() / self.cost_s
-        return dict(zip(self.budgets.tolist(), speeds.tolist(), strict=True))
+        return dict(zip(self.budgets.tolist(), self.speeds().tolist(), strict=True))
 
     def next_budget(self) -> int:
         """The budget of the next step: the choice, or on a probe step a promising larger one."""
         self._asked += 1
         if self._asked % self.probe_every:
             return self.choice
-        speeds = self.tau() / self.cost_s
         optimistic = (self.tau() + self.optimism / np.sqrt(self.prior_weight + self._steps)) / self.cost_s
         optimistic[self.budgets <= self.choice] = -np.inf
         probe = int(np.argmax(optimistic))
-        current = speeds[int(np.searchsorted(self.budgets, self.choice))]
+        current = self.speeds()[int(np.searchsorted(self.budgets, self.choice))]
         return int(self.budgets[probe]) if optimistic[probe] > current else self.choice
 
     def observe(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
@@ -130,8 +132,7 @@ class AdaptiveBudget:
         self.choice = self._choose()
 
     def _choose(self) -> int:
-        speeds = self.tau() / self.cost_s
-        return choose_budget(self.budgets.tolist(), speeds.tolist(), self.tolerance)
+        return choose_budget(self.budgets.tolist(), self.speeds().tolist(), self.tolerance)
 
 
 def accepted_within(tree: DraftTree, path: torch.Tensor, budgets: np.ndarray) -> np.ndarray:
