@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from jetflow.bench.datasets import load_dataset_samples
+from jetflow.core import calibration as cal
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.target import Target
+
+from tests.core.test_adaptive import calibration_record
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +68,25 @@ def test_shipped_heads_are_lossless_fp32(
         assert result.token_ids == expected, f"{sample_id}: {drafter} output differs from generate"
         accepted += sum(step.accepted for step in result.steps)
     assert accepted > 0, f"{drafter} never got a token accepted"
+
+
+def test_an_adaptive_budget_is_lossless_while_it_switches_budgets(
+    real_target: Target, cases, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped jetflow head under an adaptive budget that moves between no drafting and
+    trees (a hand-written calibration where they tie), on four prompts."""
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+    config = build_config(GenerateConfig, {"tree": {"budget": "auto"}, "max_new_tokens": NEW_TOKENS})
+    taus, cost_ms = {0: 1.0, 2: 1.2, 8: 1.3}, {0: 60.0, 2: 72.0, 8: 78.0}
+    cal.save_calibration(calibration_record(cal.key_for(config, real_target), taus, cost_ms))
+    engine = Engine(config, real_target)
+    assert engine.budget_source == "adaptive"
+    used: set[int] = set()
+    for sample_id, ids, expected in cases[::3]:
+        result = engine.generate(ids)
+        assert result.token_ids == expected, f"{sample_id}: adaptive output differs from generate"
+        used |= {step.budget for step in result.steps}
+    assert 0 in used and len(used) > 1, f"the budget never switched: {used}"
 
 
 def test_jetflow_is_the_default_drafter_for_the_embedded_target(real_target: Target) -> None:
