@@ -33,24 +33,24 @@ def tokens_per_s(records: Sequence[TurnRecord]) -> float:
     return tokens / wall if wall > 0 else 0.0
 
 
-def accept_histogram(records: Sequence[TurnRecord]) -> dict[str, int] | None:
-    """Steps per number of accepted drafted tokens (JSON keys), None if a method hides it."""
+def step_histogram(per_step: Sequence[tuple[int, ...] | None]) -> dict[str, int] | None:
+    """Steps per value (JSON keys, ascending) over generations; None if any hides its steps."""
     counts: Counter[int] = Counter()
-    for record in records:
-        if record.generation.accepted is None:
+    for values in per_step:
+        if values is None:
             return None
-        counts.update(record.generation.accepted)
-    return {str(accepted): counts[accepted] for accepted in sorted(counts)}
+        counts.update(values)
+    return {str(value): counts[value] for value in sorted(counts)}
+
+
+def accept_histogram(records: Sequence[TurnRecord]) -> dict[str, int] | None:
+    """Steps per number of accepted drafted tokens, None if a method hides it."""
+    return step_histogram([record.generation.accepted for record in records])
 
 
 def budget_histogram(records: Sequence[TurnRecord]) -> dict[str, int] | None:
-    """Steps per tree budget (JSON keys; several under an adaptive budget), None without a tree."""
-    counts: Counter[int] = Counter()
-    for record in records:
-        if record.generation.budgets is None:
-            return None
-        counts.update(record.generation.budgets)
-    return {str(budget): counts[budget] for budget in sorted(counts)}
+    """Steps per tree budget (several under an adaptive budget), None for methods without a tree."""
+    return step_histogram([record.generation.budgets for record in records])
 
 
 def summarise(
