@@ -7,8 +7,9 @@ jsonl files go through ``datasets.load_dataset("json", ...)`` and the two files 
 with the stdlib and stored as ``datasets`` arrow caches keyed by path, size and mtime.
 
 Order: every set keeps the order of its shipped file, so the first ``limit`` samples are
-the same on every machine. That order is meaningful for all four: HumanEval/0..163,
-MT-Bench question 81..160, CHAMP by category then problem number, ShareGPT as published.
+the same on every machine. That order is meaningful for all of them: HumanEval/0..163,
+MT-Bench question 81..160, CHAMP by category then problem number, ShareGPT as published
+(its last conversations are the held-out split ``sharegpt-heldout``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BENCHMARK_NAMES: tuple[str, ...] = ("champ", "humaneval", "mtbench")
+BENCHMARK_NAMES: tuple[str, ...] = ("champ", "humaneval", "mtbench", "sharegpt-heldout")
 DATASET_NAMES: tuple[str, ...] = (*BENCHMARK_NAMES, "sharegpt")
+#: The last this many recovered ShareGPT conversations are the held-out evaluation split:
+#: no training prompt is ever drawn from them (see :func:`split_sharegpt`).
+SHAREGPT_HELDOUT_SIZE = 1000
 FILE_PREFIX = "file:"
 
 #: HumanEval ships bare function stubs; a chat model needs an instruction around them.
@@ -306,6 +310,34 @@ def load_sharegpt(path: Path | str | None = None) -> list[Sample]:
     return load_sharegpt_with_report(path)[0]
 
 
+def prompt_key(text: str) -> str:
+    """Whitespace-normalised text: what "the same prompt" means for overlap and repeats."""
+    return " ".join(text.split())
+
+
+def split_sharegpt(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """``(training side, held-out split)`` of the recovered ShareGPT conversations.
+
+    The held-out split is the last :data:`SHAREGPT_HELDOUT_SIZE` conversations of the file,
+    less those whose first turn repeats (up to whitespace) one seen before it in the file:
+    a repeated prompt may already be in a training corpus, so it is not held out.
+    """
+    training, tail = samples[:-SHAREGPT_HELDOUT_SIZE], samples[-SHAREGPT_HELDOUT_SIZE:]
+    seen = {prompt_key(s.turns[0]) for s in training}
+    heldout = []
+    for sample in tail:
+        key = prompt_key(sample.turns[0])
+        if key not in seen:
+            seen.add(key)
+            heldout.append(Sample(sample.id, "sharegpt-heldout", sample.turns))
+    return training, heldout
+
+
+def load_sharegpt_heldout(path: Path | str | None = None) -> list[Sample]:
+    """The held-out ShareGPT split (:func:`split_sharegpt`), as a benchmark set."""
+    return split_sharegpt(load_sharegpt(path))[1]
+
+
 def load_prompt_file(path: Path | str) -> list[Sample]:
     """A user's jsonl: ``{"prompt": str}`` or ``{"messages": [{role, content}, ...]}`` a line.
 
@@ -349,6 +381,7 @@ _LOADERS: dict[str, Callable[[], list[Sample]]] = {
     "humaneval": load_humaneval,
     "mtbench": load_mtbench,
     "sharegpt": load_sharegpt,
+    "sharegpt-heldout": load_sharegpt_heldout,
 }
 
 

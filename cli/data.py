@@ -94,7 +94,13 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--source {args.source!r} is a benchmark set; training data must never contain it")
     if args.source == "sharegpt":
         samples, report = datasets.load_sharegpt_with_report()
-        source_info = {"file": report.path.name, "recovered": report.recovered, "dropped": report.dropped}
+        samples, heldout = datasets.split_sharegpt(samples)
+        source_info = {
+            "file": report.path.name,
+            "recovered": report.recovered,
+            "dropped": report.dropped,
+            "heldout": {"last": datasets.SHAREGPT_HELDOUT_SIZE, "kept_for_eval": len(heldout)},
+        }
     else:
         samples, source_info = datasets.load_dataset_samples(args.source), {}
     target = _load_target(args)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from jetflow.bench.datasets import Sample
+from jetflow.bench.datasets import Sample, prompt_key
 from jetflow.core.errors import DataError
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
@@ -61,11 +61,6 @@ class Selection:
 
     def describe(self) -> dict[str, object]:
         return {"scanned": self.scanned, "kept": len(self.prompts), "skipped": self.skipped}
-
-
-def prompt_key(text: str) -> str:
-    """Whitespace-normalised text: what "the same prompt" means for benchmark overlap and repeats."""
-    return " ".join(text.split())
 
 
 def select_prompts(

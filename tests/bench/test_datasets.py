@@ -50,10 +50,36 @@ def test_humaneval_wraps_stub_in_instruction() -> None:
     assert first.messages() == [{"role": "user", "content": first.turns[0]}]
 
 
-def test_benchmark_prompt_texts_cover_all_three_sets() -> None:
+def test_benchmark_prompt_texts_cover_every_benchmark_set() -> None:
     texts = ds.benchmark_prompt_texts()
-    assert len(texts) == 270 + 164 + 80
+    heldout = ds.load_sharegpt_heldout()
+    assert len(texts) == 270 + 164 + 80 + len(heldout)
     assert ds.load_mtbench()[0].turns[0] in texts
+    assert heldout[-1].turns[0] in texts
+
+
+def test_sharegpt_heldout_is_the_files_tail_and_shares_no_prompt_with_training() -> None:
+    samples = ds.load_sharegpt()
+    training, heldout = ds.split_sharegpt(samples)
+    assert training == samples[: -ds.SHAREGPT_HELDOUT_SIZE]
+    tail_ids = [s.id for s in samples[-ds.SHAREGPT_HELDOUT_SIZE :]]
+    assert {s.id for s in heldout} <= set(tail_ids)
+    assert 800 < len(heldout) <= ds.SHAREGPT_HELDOUT_SIZE  # only repeated prompts are dropped
+    assert all(s.dataset == "sharegpt-heldout" for s in heldout)
+    train_keys = {ds.prompt_key(s.turns[0]) for s in training}
+    held_keys = [ds.prompt_key(s.turns[0]) for s in heldout]
+    assert len(set(held_keys)) == len(held_keys)
+    assert train_keys.isdisjoint(held_keys)
+    assert ds.load_dataset_samples("sharegpt-heldout", limit=3) == heldout[:3]
+
+
+def test_split_drops_held_out_repeats_of_earlier_prompts() -> None:
+    size = ds.SHAREGPT_HELDOUT_SIZE
+    samples = [ds.Sample(f"t{i}", "sharegpt", (f"prompt {i}",)) for i in range(size + 2)]
+    samples[-1] = ds.Sample("repeat", "sharegpt", ("prompt  0",))  # whitespace differs only
+    training, heldout = ds.split_sharegpt(samples)
+    assert [s.id for s in training] == ["t0", "t1"]
+    assert "repeat" not in {s.id for s in heldout} and len(heldout) == size - 1
 
 
 def test_sharegpt_recovers_the_truncated_file() -> None:
@@ -62,7 +88,8 @@ def test_sharegpt_recovers_the_truncated_file() -> None:
     assert report.dropped >= 1
     assert report.dropped == sum(report.dropped_by_reason.values())
     assert len({s.id for s in samples}) == len(samples)
-    assert not {s.turns[0] for s in samples} & ds.benchmark_prompt_texts()
+    training, _ = ds.split_sharegpt(samples)
+    assert not {s.turns[0] for s in training} & ds.benchmark_prompt_texts()
     again, report_again = ds.load_sharegpt_with_report()  # now served from the arrow cache
     assert again == samples
     assert report_again.dropped_by_reason == report.dropped_by_reason

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jetflow.bench.datasets import Sample, benchmark_prompt_texts, load_sharegpt
+from jetflow.bench.datasets import Sample, benchmark_prompt_texts, load_sharegpt, prompt_key
 from jetflow.cli.main import main
 from jetflow.core.errors import DataError
 from jetflow.drafters.training.corpus import (
@@ -18,7 +18,7 @@ from jetflow.drafters.training.corpus import (
     token_dtype,
 )
 from jetflow.drafters.training.features import FeatureStore, FeatureWriter
-from jetflow.drafters.training.regenerate import prompt_key, select_prompts
+from jetflow.drafters.training.regenerate import select_prompts
 
 HEADER = {
     "source": "unit",
