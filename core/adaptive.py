@@ -33,7 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from jetflow.core.calibration import CHOICE_TOLERANCE, Calibration, choose_budget
+from jetflow.core.calibration_record import Calibration
+from jetflow.core.cost_model import CHOICE_TOLERANCE, choose_budget
 from jetflow.core.tree import DraftTree
 
 #: the calibrated tau counts as this many observed steps

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import torch
 from jetflow.core.adaptive import AdaptiveBudget
-from jetflow.core.calibration import BudgetSource, CalibrationKey, resolve_budget
+from jetflow.core.calibration_record import CalibrationKey
+from jetflow.core.calibration_store import BudgetSource, resolve_budget
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import DraftContext, Drafter, TreePolicy, TreeShape, Verifier
 from jetflow.core.errors import ConfigError, TargetError

@@ -1,0 +1,107 @@
+"""The calibration cache: one JSON file per key under ``cache_root()/calibration``, and the
+budget an engine starts with when it asks for ``auto`` or names none."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+from pathlib import Path
+from typing import Literal
+
+from jetflow.core.calibration_record import SCHEMA_VERSION, Calibration, CalibrationKey
+from jetflow.core.config import DEFAULT_BUDGET
+from jetflow.core.errors import ConfigError
+from jetflow.core.target import DEFAULT_TARGET, cache_root
+from pydantic import ValidationError
+
+log = logging.getLogger(__name__)
+
+
+def calibration_path(key: CalibrationKey) -> Path:
+    return cache_root() / "calibration" / f"{key.digest()}.json"
+
+
+def load_calibration(key: CalibrationKey) -> Calibration | None:
+    """The cached calibration for ``key``; None if there is none.
+
+    Raises :class:`ConfigError` (one line) if the file exists but cannot be used: a stale
+    schema, a record for another key, or a corrupt file.
+    """
+    path = calibration_path(key)
+    if not path.is_file():
+        return None
+    rerun = f"rerun `jetflow calibrate --force` ({path})"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"the cached calibration is unreadable ({type(error).__name__}); {rerun}") from None
+    if not isinstance(data, dict) or data.get("version") != SCHEMA_VERSION:
+        found = data.get("version") if isinstance(data, dict) else None
+        raise ConfigError(
+            f"the cached calibration has schema version {found!r}, not {SCHEMA_VERSION}; {rerun}"
+        )
+    try:
+        calibration = Calibration.model_validate(data)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        message = f"the cached calibration is invalid at {where}: {problem['msg']}"
+        raise ConfigError(f"{message}; {rerun}") from None
+    if calibration.key != key:
+        raise ConfigError(f"the cached calibration was measured for another setup; {rerun}")
+    return calibration
+
+
+def save_calibration(calibration: Calibration) -> Path:
+    """Write atomically, so a concurrent reader sees the old file or the new one, never half."""
+    path = calibration_path(calibration.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    staging.write_text(calibration.model_dump_json(indent=1), encoding="utf-8")
+    staging.replace(path)
+    return path
+
+
+#: "adaptive": calibrated, then re-chosen every step (:mod:`jetflow.core.adaptive`)
+BudgetSource = Literal["fixed", "calibrated", "adaptive", "default"]
+
+
+def resolve_budget(
+    requested: int | str | None, key: CalibrationKey, target_spec: str = DEFAULT_TARGET
+) -> tuple[int, BudgetSource, Calibration | None]:
+    """The budget an engine starts with, where it came from, and the calibration behind it.
+
+    A fixed budget is taken as given; ``auto`` or unset come from the cached calibration.
+    Unset falls back to :data:`DEFAULT_BUDGET` when nothing (usable) is cached, so a first
+    run never stops to measure; ``auto`` is an explicit request and fails with what to run
+    (``target_spec`` is the target as the user named it, for that command).
+    """
+    if isinstance(requested, int):
+        return requested, "fixed", None
+    try:
+        calibration = load_calibration(key)
+    except ConfigError as error:
+        if requested == "auto":
+            raise
+        log.warning("ignoring the cached calibration: %s", error)
+        calibration = None
+    if calibration is not None:
+        log.info("budget %d from calibration: %s", calibration.budget, calibration.reason())
+        return calibration.budget, "calibrated", calibration
+    if requested == "auto":
+        raise ConfigError(
+            f"--budget auto needs a calibration and there is none for {key.describe()}; "
+            f"run `{calibrate_command(key, target_spec)}` first (or pass a fixed --budget)"
+        )
+    return DEFAULT_BUDGET, "default", None
+
+
+def calibrate_command(key: CalibrationKey, target_spec: str = DEFAULT_TARGET) -> str:
+    """The command that measures ``key`` (for the message when it is missing)."""
+    words = ["jetflow", "calibrate", "--drafter", key.drafter, "--tree-policy", key.policy]
+    if target_spec != DEFAULT_TARGET:
+        words += ["--target", target_spec]
+    words += ["--dtype", key.dtype, "--threads", str(key.machine.torch_threads)]
+    return shlex.join(words)
