@@ -12,6 +12,7 @@ from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
 from jetflow.drafters.block_head import default_feature_layers
+from jetflow.drafters.training import second_turns
 from jetflow.drafters.training.corpus import Corpus, corpus_dir_for, default_corpus_dir
 from jetflow.drafters.training.features import build_features
 from jetflow.drafters.training.regenerate import (
@@ -44,10 +45,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--target", default="default", help="'default', a folder, a .gguf file or a cached hub id"
     )
     regen.add_argument("--source", default="sharegpt", help="sharegpt, or file:PATH.jsonl of prompts")
-    regen.add_argument("--n", type=int, required=True, help="conversations in the finished corpus")
+    regen.add_argument(
+        "--n",
+        type=int,
+        help="conversations in the finished corpus (required for first turns; second turns: at most)",
+    )
+    regen.add_argument(
+        "--turn",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: answer each conversation's follow-up after the first-turn corpus's own answer",
+    )
+    regen.add_argument(
+        "--parent", type=Path, help="--turn 2: the first-turn corpus (default: the target's packaged one)"
+    )
+    regen.add_argument(
+        "--follow",
+        action="store_true",
+        help="--turn 2: keep answering (full shards) while the first-turn run still grows its corpus",
+    )
     regen.add_argument("--max-new-tokens", type=int, default=256)
     regen.add_argument(
-        "--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS, help="longer prompts are skipped"
+        "--max-prompt-tokens",
+        type=int,
+        help=f"longer prompts are skipped (default {DEFAULT_MAX_PROMPT_TOKENS}; second turns "
+        f"{second_turns.DEFAULT_MAX_PROMPT_TOKENS})",
     )
     regen.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     shard_help = "conversations per resumable shard, sorted by length into batches"
@@ -88,27 +111,25 @@ def _load_target(args: argparse.Namespace):
 
 
 def _regenerate(args: argparse.Namespace) -> int:
-    if args.n < 1 or args.max_new_tokens < 1 or args.batch_size < 1 or args.shard_size < 1:
-        raise ConfigError("--n, --max-new-tokens, --batch-size and --shard-size must be positive")
+    if args.turn == 1 and args.n is None:
+        raise ConfigError("--n is required for first turns")
+    sizes = (args.n or 1, args.max_new_tokens, args.batch_size, args.shard_size, args.max_prompt_tokens or 1)
+    if min(sizes) < 1:
+        raise ConfigError(
+            "--n, --max-new-tokens, --max-prompt-tokens, --batch-size and --shard-size must be positive"
+        )
     if args.source in datasets.BENCHMARK_NAMES:
         raise ConfigError(f"--source {args.source!r} is a benchmark set; training data must never contain it")
-    if args.source == "sharegpt":
-        samples, report = datasets.load_sharegpt_with_report()
-        samples, heldout = datasets.split_sharegpt(samples)
-        source_info = {
-            "file": report.path.name,
-            "recovered": report.recovered,
-            "dropped": report.dropped,
-            "heldout": {"last": datasets.SHAREGPT_HELDOUT_SIZE, "kept_for_eval": len(heldout)},
-        }
-    else:
-        samples, source_info = datasets.load_dataset_samples(args.source), {}
+    if args.turn == 2:
+        return _regenerate_second_turns(args)
+    samples, source_info = _training_samples(args.source)
     target = _load_target(args)
+    max_prompt_tokens = args.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
     selection = select_prompts(
         samples,
         target.encode_prompt,
         args.n,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=max_prompt_tokens,
         exclude=datasets.benchmark_prompt_texts(),
     )
     layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
@@ -123,16 +144,73 @@ def _regenerate(args: argparse.Namespace) -> int:
         layers=layers,
         source=args.source,
         selection={**source_info, **selection.describe()},
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=max_prompt_tokens,
         show_progress=True,
     )
+    _print_summary(out, corpus)
+    return 0
+
+
+def _training_samples(source: str) -> tuple[list[datasets.Sample], dict]:
+    """The training side of ``source`` (ShareGPT less its held-out split) and what it was."""
+    if source != "sharegpt":
+        return datasets.load_dataset_samples(source), {}
+    samples, report = datasets.load_sharegpt_with_report()
+    samples, heldout = datasets.split_sharegpt(samples)
+    info = {
+        "file": report.path.name,
+        "recovered": report.recovered,
+        "dropped": report.dropped,
+        "heldout": {"last": datasets.SHAREGPT_HELDOUT_SIZE, "kept_for_eval": len(heldout)},
+    }
+    return samples, info
+
+
+def _regenerate_second_turns(args: argparse.Namespace) -> int:
+    """``--turn 2``: the follow-ups of the first-turn corpus, into its ``-turn2`` sibling."""
+    samples, source_info = _training_samples(args.source)
+    target = _load_target(args)
+    layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
+    parent = args.parent or corpus_dir_for(target.name)
+    out = args.out or second_turns.second_turn_dir(parent)
+    exclude = benchmark_turn_texts()
+    corpus = second_turns.regenerate_second_turns(
+        target,
+        parent,
+        out,
+        {s.id: s for s in samples},
+        exclude=exclude,
+        follow=args.follow,
+        limit=args.n,
+        layers=layers,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens or second_turns.DEFAULT_MAX_PROMPT_TOKENS,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        source_info=source_info,
+        show_progress=True,
+    )
+    _print_summary(out, corpus)
+    return 0
+
+
+def benchmark_turn_texts() -> list[str]:
+    """Every user turn of every benchmark set: no follow-up in training data may equal one."""
+    return [
+        t for name in datasets.BENCHMARK_NAMES for s in datasets.load_dataset_samples(name) for t in s.turns
+    ]
+
+
+def _print_summary(out: Path, corpus: Corpus | None) -> None:
+    if corpus is None:
+        print(f"{out}: nothing to answer yet")
+        return
     counts, timing = corpus.manifest["counts"], corpus.manifest["regeneration"]
     print(
         f"{out}: {counts['n_conversations']} conversations, {counts['n_response_tokens']} response tokens, "
         f"{timing['wall_time_s']:.0f} s of generation, "
         f"{timing['response_tokens_per_s']:.1f} response tokens/s"
     )
-    return 0
 
 
 def _features(args: argparse.Namespace) -> int:

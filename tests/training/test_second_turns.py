@@ -1,0 +1,122 @@
+"""Second turns: the target answers the follow-up after the first-turn corpus's own answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from jetflow.cli import data as data_cli
+from jetflow.cli.main import main
+from jetflow.drafters.training import second_turns
+from jetflow.drafters.training.corpus import Corpus
+from jetflow.drafters.training.second_turns import second_turn_dir, training_corpus_dirs
+
+from tests.conftest import make_tiny_target
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}w0 {% endif %}{{ m['content'] }} {% endfor %}"
+)
+CONVERSATIONS = [
+    ["w1 w2 w3", "w4 w5"],
+    ["w6 w7"],  # no second turn
+    ["w8 w9", "w5 w6 w7"],  # its follow-up is a benchmark text
+    ["w10 w11", "w12 w13 w12"],
+    ["w2 w2", "w9 w1"],
+]
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
+    target = make_tiny_target("llama", seed=7)
+    target.tokenizer.chat_template = CHAT_TEMPLATE
+    monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
+    monkeypatch.setattr(data_cli.datasets, "benchmark_prompt_texts", lambda: {"w5 w6 w7"})
+    monkeypatch.setattr(data_cli, "benchmark_turn_texts", lambda: ["w5  w6 w7"])
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": str(i), "messages": [{"role": "user", "content": t} for t in turns]}
+        for i, turns in enumerate(CONVERSATIONS)
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    threads = torch.get_num_threads()
+    yield target, prompts
+    torch.set_num_threads(threads)
+
+
+def _regenerate(prompts: Path, *args: str) -> int:
+    common = ["--source", f"file:{prompts}", "--max-new-tokens", "5", "--threads", "1", "--no-features"]
+    return main(["data", "regenerate", *common, "--shard-size", "1", *args])
+
+
+def test_second_turns_follow_the_corpus_own_answers_and_resume(tiny, tmp_path: Path) -> None:
+    target, prompts = tiny
+    first = tmp_path / "corpus"
+    assert _regenerate(prompts, "--n", "3", "--out", str(first)) == 0
+    assert _regenerate(prompts, "--turn", "2", "--parent", str(first)) == 0
+    second = second_turn_dir(first)
+    assert Corpus(second).ids == ["0"], "conversation 1 has no follow-up, 2 follows with a benchmark text"
+    skipped = Corpus(second).manifest["selection"]["skipped"]
+    assert skipped["no_second_turn"] == ["1"] and skipped["benchmark_overlap"] == ["2"]
+
+    assert _regenerate(prompts, "--n", "5", "--out", str(first)) == 0  # the first turns grow
+    assert _regenerate(prompts, "--turn", "2", "--parent", str(first)) == 0  # and the second resume
+    parent, corpus = Corpus(first), Corpus(second)
+    assert corpus.ids == ["0", "3", "4"] and len(corpus.manifest["shards"]) == 3
+    assert (
+        corpus.manifest["source"] == "sharegpt-turn2" and corpus.manifest["selection"]["parent"] == "corpus"
+    )
+    assert training_corpus_dirs(first) == [first, second]
+
+    for index, sample_id in enumerate(corpus.ids):
+        turns = CONVERSATIONS[int(sample_id)]
+        tokens, prompt_length = parent.sequence(parent.ids.index(sample_id))
+        answer = target.decode(tokens[prompt_length:])
+        messages = [
+            {"role": "user", "content": turns[0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": turns[1]},
+        ]
+        tokens, prompt_length = corpus.sequence(index)
+        assert tokens[:prompt_length].tolist() == target.encode_prompt(messages)
+        with torch.inference_mode():
+            prompt = tokens[None, :prompt_length]
+            mask = torch.ones_like(prompt)
+            out = target.model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        assert out[0, prompt_length:].tolist() == tokens[prompt_length:].tolist()
+
+
+def test_follow_stops_once_the_parent_is_complete(tiny, tmp_path: Path) -> None:
+    _, prompts = tiny
+    first = tmp_path / "corpus"
+    assert _regenerate(prompts, "--n", "5", "--out", str(first)) == 0
+    out = tmp_path / "turn2"
+    args = ("--turn", "2", "--parent", str(first), "--out", str(out), "--follow", "--n", "2")
+    assert _regenerate(prompts, *args) == 0, "a complete parent ends --follow at once"
+    assert Corpus(out).ids == ["0", "3"]
+
+
+def test_follow_waits_for_full_shards_while_the_parent_grows(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, prompts = tiny
+    first = tmp_path / "corpus"
+    assert _regenerate(prompts, "--n", "3", "--out", str(first)) == 0
+    manifest = json.loads((first / "manifest.json").read_text())
+    manifest["selection"]["kept"] = 5  # as if its run (--n 5) were still writing
+    (first / "manifest.json").write_text(json.dumps(manifest))
+    waits = []
+
+    def grow_parent(seconds: float) -> None:
+        waits.append(seconds)
+        assert not (first.parent / "corpus-turn2").exists(), "one second turn is less than a full shard"
+        assert _regenerate(prompts, "--n", "5", "--out", str(first)) == 0
+
+    monkeypatch.setattr(second_turns.time, "sleep", grow_parent)
+    args = ("--turn", "2", "--parent", str(first), "--follow", "--shard-size", "2")
+    assert _regenerate(prompts, *args) == 0
+    assert len(waits) == 1
+    corpus = Corpus(second_turn_dir(first))
+    assert corpus.ids == ["0", "3", "4"], "the complete parent's last, partial shard is answered too"
