@@ -13,7 +13,13 @@ from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
 from jetflow.drafters.block_head import default_feature_layers
 from jetflow.drafters.training import second_turns
-from jetflow.drafters.training.corpus import Corpus, corpus_dir_for, default_corpus_dir
+from jetflow.drafters.training.corpus import (
+    Corpus,
+    combined_stats,
+    corpus_dir_for,
+    second_turn_dir,
+    training_corpus_dirs,
+)
 from jetflow.drafters.training.features import build_features
 from jetflow.drafters.training.regenerate import (
     DEFAULT_BATCH_SIZE,
@@ -84,7 +90,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy machine)")
 
     feats = actions.add_parser("features", help="(re)build the feature cache of a corpus by teacher forcing")
-    feats.add_argument("--corpus", type=Path, help="corpus folder (default: the default target's corpus)")
+    corpus_help = "corpus folder, repeatable (default: the training corpora, first and second turns)"
+    feats.add_argument("--corpus", type=Path, action="append", help=corpus_help)
     feats.add_argument("--target", default="default")
     feats.add_argument("--dtype", choices=dtypes, default="auto")
     feats.add_argument("--layers", type=_layer_list, help="feature layers (default: 5 spread)")
@@ -92,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     feats.add_argument("--threads", type=int, help="torch CPU threads")
 
     stats = actions.add_parser("stats", help="summary of a corpus")
-    stats.add_argument("--corpus", type=Path, help="corpus folder (default: the default target's corpus)")
+    stats.add_argument("--corpus", type=Path, action="append", help=corpus_help)
     stats.add_argument("--json", action="store_true", help="print one JSON object")
 
     parser.set_defaults(run=run)
@@ -172,7 +179,7 @@ def _regenerate_second_turns(args: argparse.Namespace) -> int:
     target = _load_target(args)
     layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
     parent = args.parent or corpus_dir_for(target.name)
-    out = args.out or second_turns.second_turn_dir(parent)
+    out = args.out or second_turn_dir(parent)
     exclude = benchmark_turn_texts()
     corpus = second_turns.regenerate_second_turns(
         target,
@@ -213,24 +220,33 @@ def _print_summary(out: Path, corpus: Corpus | None) -> None:
     )
 
 
+def _corpora(args: argparse.Namespace) -> list[Corpus]:
+    """The ``--corpus`` folders, else every corpus the trainer reads by default."""
+    return [Corpus(folder) for folder in (args.corpus or training_corpus_dirs())]
+
+
 def _features(args: argparse.Namespace) -> int:
-    corpus = Corpus(args.corpus or default_corpus_dir())
+    corpora = _corpora(args)
     target = _load_target(args)
     layers = args.layers or default_feature_layers(target.num_layers)
-    store = build_features(target, corpus, layers, token_budget=args.token_budget, show_progress=True)
-    print(f"{store.folder}: features of layers {list(store.layers)} for {len(store)} sequences")
+    for corpus in corpora:
+        store = build_features(target, corpus, layers, token_budget=args.token_budget, show_progress=True)
+        print(f"{store.folder}: features of layers {list(store.layers)} for {len(store)} sequences")
     return 0
 
 
 def _stats(args: argparse.Namespace) -> int:
-    corpus = Corpus(args.corpus or default_corpus_dir())
-    stats = corpus.stats()
+    corpora = _corpora(args)
+    stats = combined_stats(corpora)
     if args.json:
         print(json.dumps(stats))
         return 0
-    timing = corpus.manifest.get("regeneration", {})
-    print(f"corpus   {corpus.path}")
-    for key, value in stats.items():
-        print(f"{key:<18} {value}")
-    print(f"{'response tok/s':<18} {timing.get('response_tokens_per_s', 0)}")
+    for corpus, part in zip(corpora, stats["corpora"], strict=True):
+        timing = corpus.manifest.get("regeneration", {})
+        print(f"corpus   {corpus.path}")
+        for key, value in part.items():
+            print(f"  {key:<18} {value}")
+        print(f"  {'response tok/s':<18} {timing.get('response_tokens_per_s', 0)}")
+    for key in ("n_conversations", "n_sequences", "n_response_tokens"):
+        print(f"{key:<20} {stats[key]}")
     return 0

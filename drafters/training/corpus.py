@@ -49,6 +49,24 @@ def default_corpus_dir() -> Path:
     return corpus_dir_for(DEFAULT_TARGET_NAME)
 
 
+#: a second-turn corpus is the sibling ``<name>-turn2`` of its first-turn corpus
+SECOND_TURN_SUFFIX = "-turn2"
+
+
+def second_turn_dir(first_turn_dir: Path) -> Path:
+    """Where the second turns of the corpus at ``first_turn_dir`` live (its sibling ``-turn2``)."""
+    first_turn_dir = Path(first_turn_dir)
+    return first_turn_dir.with_name(first_turn_dir.name + SECOND_TURN_SUFFIX)
+
+
+def training_corpus_dirs(first_turn_dir: Path | None = None) -> list[Path]:
+    """The corpora a head trains on by default: the first turns (default: the default target's),
+    then their second turns when that corpus exists."""
+    first_turn_dir = Path(first_turn_dir) if first_turn_dir else default_corpus_dir()
+    second = second_turn_dir(first_turn_dir)
+    return [first_turn_dir, *([second] if (second / MANIFEST_NAME).exists() else [])]
+
+
 def token_dtype(vocab_size: int) -> torch.dtype:
     """The narrowest dtype that holds every token id: uint16 halves the committed size."""
     return torch.uint16 if vocab_size <= 2**16 else torch.int32
@@ -199,6 +217,26 @@ class Corpus:
             "n_conversations": len(self),
             "n_response_tokens": int(self.manifest["counts"]["n_response_tokens"]),
         }
+
+
+def combined_stats(corpora: Sequence[Corpus]) -> dict[str, object]:
+    """What ``jetflow data stats --json`` prints for the corpora a trainer reads together.
+
+    ``n_conversations`` counts distinct conversations (a second turn belongs to the
+    conversation of its first), ``n_sequences`` every trained sequence, and
+    ``n_response_tokens`` the response tokens of them all; ``corpora`` has each one's stats.
+    """
+    parts = [corpus.stats() | {"corpus": corpus.name} for corpus in corpora]
+    sources = list(dict.fromkeys(str(part["source"]) for part in parts))
+    targets = list(dict.fromkeys(str(part["target"]) for part in parts))
+    return {
+        "source": "+".join(sources),
+        "target": "+".join(targets),
+        "n_conversations": len({i for corpus in corpora for i in corpus.ids}),
+        "n_sequences": sum(len(corpus) for corpus in corpora),
+        "n_response_tokens": sum(int(part["n_response_tokens"]) for part in parts),
+        "corpora": parts,
+    }
 
 
 class CorpusWriter:

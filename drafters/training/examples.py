@@ -56,6 +56,41 @@ class InMemoryStore:
         return self.records[index]
 
 
+class ConcatStore:
+    """Several stores read as one, in order (a corpus and its second turns): indices run on.
+
+    Attributes:
+        layers: the target layers every part's features come from (they must agree).
+        manifest: each part's manifest under ``parts`` and the summed ``counts``.
+    """
+
+    def __init__(self, stores: Sequence[SequenceStore]) -> None:
+        if not stores:
+            raise ValueError("ConcatStore needs at least one store")
+        layers = {tuple(getattr(store, "layers", ()) or ()) for store in stores}
+        if len(layers) > 1:
+            raise ValueError(f"the stores hold features of different layers: {sorted(layers)}")
+        self.stores = list(stores)
+        self.layers = layers.pop()
+        sizes = torch.tensor([len(store) for store in self.stores], dtype=torch.long)
+        self._starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        parts = [dict(getattr(store, "manifest", None) or {}) for store in self.stores]
+        counts: dict[str, int] = {}
+        for part in parts:
+            for key, value in (part.get("counts") or {}).items():
+                counts[key] = counts.get(key, 0) + int(value)
+        self.manifest = {"parts": parts, "counts": counts, "feature_layers": list(self.layers)}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def sequence(self, index: int) -> Record:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence {index} out of range for a store of {len(self)}")
+        part = int(torch.searchsorted(self._starts, torch.tensor(index), right=True)) - 1
+        return self.stores[part].sequence(index - int(self._starts[part]))
+
+
 @torch.inference_mode()
 def capture_sequences(
     model: torch.nn.Module,

@@ -9,7 +9,7 @@ tokens), so the head trains on the contexts it later drafts in.
 Why a sibling folder rather than entries of the first-turn corpus: the first-turn
 regeneration appends to its folder while this one runs (one process per core), and two
 writers of one manifest would race; a sibling also keeps every shard's prompt rule
-uniform, and the trainer and ``jetflow data stats`` read both (:func:`training_corpus_dirs`).
+uniform, and the trainer and ``jetflow data stats`` read both (``corpus.training_corpus_dirs``).
 
 Prompts follow the first-turn corpus's order, so the prompt list of a later run (over a
 parent that has grown) extends that of an earlier one and :func:`regenerate` resumes it.
@@ -35,22 +35,9 @@ from jetflow.drafters.training.regenerate import (
 
 log = logging.getLogger(__name__)
 
-SECOND_TURN_SUFFIX = "-turn2"
 #: a first turn (<= 384 tokens) plus its answer (<= 256) plus a follow-up; longer ones
 #: would make the KV slab, which every decoding step reads, dominate the cost of a batch
 DEFAULT_MAX_PROMPT_TOKENS = 1024
-
-
-def second_turn_dir(first_turn_dir: Path) -> Path:
-    """Where the second turns of the corpus at ``first_turn_dir`` live (its sibling ``-turn2``)."""
-    first_turn_dir = Path(first_turn_dir)
-    return first_turn_dir.with_name(first_turn_dir.name + SECOND_TURN_SUFFIX)
-
-
-def training_corpus_dirs(first_turn_dir: Path) -> list[Path]:
-    """The corpora a head trains on by default: the first turns, then their second turns if any."""
-    second = second_turn_dir(first_turn_dir)
-    return [Path(first_turn_dir), *([second] if (second / MANIFEST_NAME).exists() else [])]
 
 
 def parent_complete(parent: Corpus) -> bool:

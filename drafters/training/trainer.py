@@ -80,8 +80,13 @@ class TrainConfig(_Frozen):
 
     drafter: str = Field("jetflow", description="drafter plugin whose head is trained")
     target: str = Field("default", description="target spec, as for `jetflow generate`")
-    corpus: str | None = Field(None, description="corpus folder; default: the default target's corpus")
-    features: str | None = Field(None, description="feature cache folder; default: the corpus's cache")
+    corpus: str | list[str] | None = Field(
+        None,
+        description="corpus folder(s), read as one; default: the default target's first and second turns",
+    )
+    features: str | None = Field(
+        None, description="feature cache folder of a single corpus; default: its cache"
+    )
     out: str = Field("runs/train", description="output folder: log, checkpoints, final head")
     head: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters (drafter's own)")
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -55,7 +55,8 @@ def test_round_trip_and_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
     assert main(["data", "stats", "--corpus", str(tmp_path / "c"), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats == {"source": "unit", "target": "tiny", "n_conversations": 4, "n_response_tokens": 6}
+    own = {"source": "unit", "target": "tiny", "n_conversations": 4, "n_response_tokens": 6}
+    assert stats == own | {"n_sequences": 4, "corpora": [own | {"corpus": "c"}]}
 
 
 def test_token_dtype_is_the_narrowest_that_fits() -> None:

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from jetflow.cli import data as data_cli
+from jetflow.cli import train as train_cli
 from jetflow.cli.main import main
+from jetflow.core.errors import ConfigError
 from jetflow.drafters.training import second_turns
-from jetflow.drafters.training.corpus import Corpus
-from jetflow.drafters.training.second_turns import second_turn_dir, training_corpus_dirs
+from jetflow.drafters.training.corpus import Corpus, second_turn_dir, training_corpus_dirs
+from jetflow.drafters.training.features import FeatureStore
 
 from tests.conftest import make_tiny_target
 
@@ -46,9 +48,10 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     torch.set_num_threads(threads)
 
 
-def _regenerate(prompts: Path, *args: str) -> int:
-    common = ["--source", f"file:{prompts}", "--max-new-tokens", "5", "--threads", "1", "--no-features"]
-    return main(["data", "regenerate", *common, "--shard-size", "1", *args])
+def _regenerate(prompts: Path, *args: str, features: str | None = None) -> int:
+    common = ["--source", f"file:{prompts}", "--max-new-tokens", "5", "--threads", "1", "--shard-size", "1"]
+    common += ["--layers", features] if features else ["--no-features"]
+    return main(["data", "regenerate", *common, *args])
 
 
 def test_second_turns_follow_the_corpus_own_answers_and_resume(tiny, tmp_path: Path) -> None:
@@ -120,3 +123,28 @@ def test_follow_waits_for_full_shards_while_the_parent_grows(
     assert len(waits) == 1
     corpus = Corpus(second_turn_dir(first))
     assert corpus.ids == ["0", "3", "4"], "the complete parent's last, partial shard is answered too"
+
+
+def test_the_trainer_and_stats_read_first_and_second_turns_together(
+    tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, prompts = tiny
+    first = tmp_path / "corpus"
+    assert _regenerate(prompts, "--n", "5", "--out", str(first), features="1,2") == 0
+    assert _regenerate(prompts, "--turn", "2", "--parent", str(first), features="1,2") == 0
+    second = second_turn_dir(first)
+    store = train_cli._open_store([str(first), str(second)], None, (1, 2), target)
+    alone = FeatureStore(Corpus(second), (1, 2))
+    assert len(store) == 5 + 3 and store.layers == (1, 2)
+    for got, expected in zip(store.sequence(6), alone.sequence(1), strict=True):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
+    assert store.manifest["counts"]["n_conversations"] == 8
+    with pytest.raises(ConfigError, match="one corpus"):
+        train_cli._open_store([str(first), str(second)], str(tmp_path), (1, 2), target)
+
+    capsys.readouterr()
+    assert main(["data", "stats", "--corpus", str(first), "--corpus", str(second), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["n_conversations"] == 5 and stats["n_sequences"] == 8
+    assert stats["n_response_tokens"] == 8 * 5 and stats["source"] == f"file:{prompts}+sharegpt-turn2"
+    assert [part["corpus"] for part in stats["corpora"]] == ["corpus", "corpus-turn2"]
