@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import Literal
 
 import pluggy
-from jetflow.core import hookspecs
+from jetflow.core import composition, hookspecs
 from jetflow.core.contracts import Drafter, Plugin, TreePolicy, Verifier
 from jetflow.core.errors import JetflowError, PluginNotFoundError
 
@@ -97,7 +97,14 @@ class Registry:
         return [info.name for info in self.plugins(kind)]
 
     def get(self, kind: PluginKind, name: str) -> type[Plugin]:
-        """The plugin class registered as ``name``, or an error listing the known names."""
+        """The plugin class registered as ``name``, or an error listing the known names.
+
+        A drafter name ``a+b`` is the composition of two registered drafters (``composition``).
+        """
+        if kind == "drafter" and composition.SEPARATOR in name:
+            return composition.compose(
+                tuple(self.get(kind, part) for part in name.split(composition.SEPARATOR))
+            )
         for info in self.plugins(kind):
             if info.name == name:
                 return info.cls
