@@ -66,7 +66,7 @@ class Target:
         already in the local cache. Never downloads."""
         device = torch.device(device) if device else default_device()
         if spec == DEFAULT_TARGET:
-            folder, name = _embedded_default_folder(), DEFAULT_TARGET_NAME
+            folder, name = embedded_default_folder(), DEFAULT_TARGET_NAME
             model = _from_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
             tokenizer = _from_pretrained(AutoTokenizer, folder)
         elif spec.endswith(".gguf"):
@@ -226,9 +226,17 @@ def _from_pretrained(factory, source, **kwargs):
         ) from error
 
 
-def _embedded_default_folder() -> Path:
-    """The embedded SmolLM2 as an fp32 safetensors folder, de-quantised once from its GGUF."""
-    folder = cache_root() / "targets" / DEFAULT_TARGET_NAME
+#: version of the cached folder's layout: a new version is written beside older caches, never mixed
+#: with them (2: the tied embedding is stored as ``model.embed_tokens.weight``, which vLLM needs)
+_EMBEDDED_LAYOUT = 2
+
+
+def embedded_default_folder() -> Path:
+    """The embedded SmolLM2 as an fp32 safetensors folder, de-quantised once from its GGUF.
+
+    A standard Hugging Face folder: transformers and serving engines (vLLM) load it as it is.
+    """
+    folder = cache_root() / "targets" / f"layout-{_EMBEDDED_LAYOUT}" / DEFAULT_TARGET_NAME
     if (folder / "model.safetensors").is_file():
         return folder
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
@@ -246,8 +254,13 @@ def _embedded_default_folder() -> Path:
 
 
 def _save_plain(model: PreTrainedModel, tokenizer, folder: Path) -> None:
-    """Write weights, config and tokenizer atomically (GGUF models refuse ``save_pretrained``)."""
-    from safetensors.torch import save_model
+    """Write weights, config and tokenizer atomically (GGUF models refuse ``save_pretrained``).
+
+    A tensor shared by several names (a tied embedding) is stored once under its first name
+    (``model.embed_tokens.weight``), the standard layout: stored only as ``lm_head.weight``,
+    transformers still loads it but vLLM reads a zero embedding.
+    """
+    from safetensors.torch import save_file
 
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     staging.mkdir(parents=True, exist_ok=True)
@@ -257,8 +270,19 @@ def _save_plain(model: PreTrainedModel, tokenizer, folder: Path) -> None:
     config.save_pretrained(staging)
     model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    save_model(model, str(staging / "model.safetensors"))
+    save_file(_unique_tensors(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
     try:
         staging.replace(folder)
     except OSError:  # another process finished first; its copy is identical
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _unique_tensors(model: PreTrainedModel) -> dict[str, Tensor]:
+    """The state dict with each storage once, under the first name that holds it."""
+    seen: set[int] = set()
+    unique = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            unique[name] = tensor.contiguous()
+    return unique
