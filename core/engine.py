@@ -158,6 +158,7 @@ class Engine:
             wall_s=wall,
             budget=self._budget_run(steps),
             steps=steps,
+            attention=self.target.attention,
         )
 
     def _budget_run(self, steps: Sequence[StepRecord]) -> int | None:

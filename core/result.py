@@ -42,6 +42,8 @@ class GenerationResult:
     wall_s: float
     budget: int | None
     steps: list[StepRecord] = field(default_factory=list)
+    #: the verify forward's attention: ``triton-tree`` (the CUDA tree kernel) or ``sdpa``
+    attention: str = "sdpa"
 
     @property
     def new_tokens(self) -> int:
@@ -77,6 +79,7 @@ class GenerationResult:
             "draft_forwards_per_step": round(self.draft_forwards / max(len(self.steps), 1), 4),
             "budget": self.budget,
             "budgets": self.budget_histogram() if self.budget is not None else None,
+            "attention": self.attention,
         }
 
     def budget_histogram(self) -> dict[str, int]:

@@ -22,6 +22,7 @@ import torch
 from jetflow.core.errors import TargetError
 from jetflow.core.precision import default_device, dtype_name
 from jetflow.core.tree import DraftTree
+from jetflow.kernels.verify_attention import select_verify_attention, verify_mask
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
@@ -58,6 +59,8 @@ class Target:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
+        #: the verify forward's attention: ``triton-tree`` (CUDA, the tree kernel) or ``sdpa``
+        self.attention = select_verify_attention(self.model)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -180,11 +183,10 @@ class Target:
         Appends the tree's entries to ``cache``; :meth:`commit` then keeps the accepted ones.
         """
         n_cached = cache.get_seq_length()
-        visible = torch.cat([torch.ones(tree.size, n_cached, dtype=torch.bool), tree.ancestor_mask], dim=1)
-        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill(~visible, torch.finfo(self.dtype).min)
+        mask = verify_mask(tree.ancestor_mask, n_cached, self.attention, self.dtype, self.device)
         out = self.model(
             input_ids=tree.tokens[None].to(self.device),
-            attention_mask=mask[None, None].to(self.device),
+            attention_mask=mask,
             position_ids=(n_cached + tree.depths)[None].to(self.device),
             cache=cache,
             use_cache=True,
