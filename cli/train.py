@@ -1,4 +1,9 @@
-"""``jetflow train``: train a drafter's head on the cached target features of a corpus."""
+"""``jetflow train``: train a drafter's head on the cached target features of a corpus.
+
+Data-parallel with ``torchrun --nproc-per-node N $(which jetflow) train ...``: every process
+trains on its share of each step's global batch (``batch_sequences``); the first one logs,
+evaluates, writes the checkpoints and prints the summary.
+"""
 
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from jetflow.drafters.blocks import FrozenTargetParts
     from jetflow.drafters.training.checkpoint import CheckpointInfo, target_record
     from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
+    from jetflow.drafters.training.distributed import DataParallel
     from jetflow.drafters.training.trainer import TrainConfig, Trainer
 
     if args.threads:
@@ -75,8 +81,12 @@ def run(args: argparse.Namespace) -> int:
         architecture=head.config.model_dump(mode="json"),
         target=target_record(target, layers),
     )
-    trainer = Trainer(config, head, FrozenTargetParts.from_target(target), store, info)
+    parallel = DataParallel.from_env(target.device)  # under torchrun: one process of several
+    trainer = Trainer(config, head, FrozenTargetParts.from_target(target), store, info, parallel=parallel)
     result = trainer.fit(resume=args.resume, target=target)
+    parallel.close()
+    if not parallel.is_main:
+        return 0
     folder = result.final_checkpoint.parent
     points = read_curve(folder)
     settled = convergence(points)

@@ -303,7 +303,7 @@ class BlockHead(nn.Module):
         valid, positions = batch.depth_targets(self.max_depth)
         revealed = None
         if self.training and self.config.path_conditioning > 0:
-            counts = self.reveal_counts(batch.anchors)
+            counts = self.reveal_counts(batch.anchors, batch.anchor_valid)
             depth_tokens = batch.tokens.gather(1, positions.flatten(1).clamp(max=batch.tokens.shape[1] - 1))
             revealed = (shared.embed(depth_tokens).view(*positions.shape, -1), counts)
             # A revealed slot sees its own token: it teaches nothing.
@@ -313,17 +313,22 @@ class BlockHead(nn.Module):
         depths = torch.arange(1, self.max_depth + 1, device=valid.device).expand_as(valid)
         return Predictions(hidden[valid], rows[valid], positions[valid], depths[valid])
 
-    def reveal_counts(self, anchors: Tensor) -> Tensor:
+    def reveal_counts(self, anchors: Tensor, valid: Tensor | None = None) -> Tensor:
         """``[b, N]`` true tokens shown per training block: 0, or uniform in ``1 .. B-2`` for a
-        ``path_conditioning`` share of the blocks.
+        ``path_conditioning`` share of the blocks (``valid [b, N]``: the real anchors).
 
-        Drawn from a generator seeded by the anchors, so a resumed run draws the same.
+        Drawn per sequence from a generator seeded by its own anchors, so a resumed run draws
+        the same, and so does a data-parallel process that holds the sequence in another batch.
         """
-        generator = torch.Generator().manual_seed(int(anchors.sum()) * 7919 + anchors.numel())
-        shape = anchors.shape
-        shown = torch.rand(shape, generator=generator) < self.config.path_conditioning
-        counts = torch.randint(1, self.config.block_size - 1, shape, generator=generator)
-        return torch.where(shown, counts, 0).to(anchors.device)
+        valid = torch.ones_like(anchors, dtype=torch.bool) if valid is None else valid.to(anchors.device)
+        counts = torch.zeros(anchors.shape, dtype=torch.long)
+        for row in range(anchors.shape[0]):  # a few sequences per batch, not a loop over tokens
+            mine = anchors[row][valid[row]].cpu()
+            generator = torch.Generator().manual_seed(int(mine.sum()) * 7919 + mine.numel())
+            shown = torch.rand(mine.shape, generator=generator) < self.config.path_conditioning
+            drawn = torch.randint(1, self.config.block_size - 1, mine.shape, generator=generator)
+            counts[row, valid[row].cpu()] = torch.where(shown, drawn, 0)
+        return counts.to(anchors.device)
 
     # ------------------------------------------------------------------ inference
     def empty_cache(self) -> ContextCache:

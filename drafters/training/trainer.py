@@ -40,6 +40,7 @@ from jetflow.drafters.training.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from jetflow.drafters.training.distributed import DataParallel
 from jetflow.drafters.training.examples import (
     ExampleBatch,
     Predictions,
@@ -168,8 +169,15 @@ class Trainer:
         out: str | Path | None = None,
         progress: bool = True,
         loss_fn: LossFn = position_losses,
+        parallel: DataParallel | None = None,
     ) -> None:
         self.config = config
+        self.parallel = parallel or DataParallel()
+        if config.batch_sequences < self.parallel.world:
+            raise ConfigError(
+                f"batch_sequences {config.batch_sequences} is the global batch: it needs at least "
+                f"one sequence for each of the {self.parallel.world} processes"
+            )
         self.head = head
         self.shared = shared
         self.store = store
@@ -182,6 +190,7 @@ class Trainer:
         self.train_ids, self.eval_ids = self._split()
         self.vocab_size = int(shared.lm_head.weight.shape[0])
         self.vocab_summary = self._choose_draft_vocab()
+        self.parallel.broadcast_(head)
         self.lm = DraftLMHead.build(shared.lm_head, getattr(head, "draft_tokens", None))
         decay = [p for p in head.parameters() if p.ndim >= 2]
         no_decay = [p for p in head.parameters() if p.ndim < 2]
@@ -253,7 +262,12 @@ class Trainer:
             ids.append(int(self.train_ids[self._epoch_order[1][offset]]))
         return ids
 
-    def _batch(self, ids: list[int], generator: torch.Generator) -> ExampleBatch:
+    def _batch(self, ids: list[int], generator: torch.Generator, shard: bool = False) -> ExampleBatch:
+        """The batch of sequences ``ids``; with ``shard``, only this process's share of them.
+
+        Anchors are drawn for every sequence of ``ids`` in order, so a sequence gets the
+        same anchors whichever process trains on it.
+        """
         records = [self.store.sequence(i) for i in ids]
         anchors = [
             sample_anchors(
@@ -261,6 +275,9 @@ class Trainer:
             )
             for tokens, prompt, features, _ in records
         ]
+        if shard:
+            mine = self.parallel.shard(range(len(ids)))
+            records, anchors = [records[i] for i in mine], [anchors[i] for i in mine]
         return collate(records, anchors, dtype=torch.float32).to(self.shared.lm_head.weight.device)
 
     # ------------------------------------------------------------------ loss
@@ -285,6 +302,11 @@ class Trainer:
 
     def _loss(self, batch: ExampleBatch, preds: Predictions) -> Tensor:
         """Weighted mean loss over predictions, the LM head applied in checkpointed chunks."""
+        total, weight = self._loss_terms(batch, preds)
+        return total / weight.clamp(min=1e-9)
+
+    def _loss_terms(self, batch: ExampleBatch, preds: Predictions) -> tuple[Tensor, Tensor]:
+        """The weighted sum of the predictions' losses and the sum of their weights."""
         cfg = self.config.loss
         labels = self.lm.columns(batch.tokens[preds.rows, preds.positions], self.vocab_size)
         teacher, inverse = (None, None)
@@ -306,7 +328,7 @@ class Trainer:
             args = (preds.hidden[part], teacher_rows, labels[part])
             losses = checkpoint(chunk_loss, *args, use_reentrant=False) if rows > step else chunk_loss(*args)
             total = total + (losses * weights[part]).sum()
-        return total / weights.sum().clamp(min=1e-9)
+        return total, weights.sum().to(total.dtype)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -415,7 +437,8 @@ class Trainer:
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step = int(saved["step"])
         self._prior_s = float(saved.get("train_s", 0.0))
-        self._trim_log(self.step)
+        if self.parallel.is_main:
+            self._trim_log(self.step)
         log.info("resumed from %s (step %d)", folder, self.step)
         return True
 
@@ -439,43 +462,66 @@ class Trainer:
         return self._prior_s + running
 
     def train_step(self) -> dict[str, float]:
-        """One optimiser step on the batch of ``self.step``; returns its statistics."""
+        """One optimiser step on the batch of ``self.step``; returns its statistics.
+
+        Data-parallel, each process back-propagates its predictions' share of the global
+        weighted mean and the gradients are summed: the update of one process on it all.
+        """
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
-        batch = self._batch(self._sequence_ids(self.step), generator)
+        batch = self._batch(self._sequence_ids(self.step), generator, shard=True)
         preds = self.head.training_predictions(batch, self.shared)
-        loss = self._loss(batch, preds)
+        total, weight = self._loss_terms(batch, preds)
+        positions = torch.tensor(float(preds.hidden.shape[0]), device=total.device)
+        sums = self.parallel.sum_(torch.stack([total.detach(), weight.detach(), positions]))
+        loss = total / sums[1].clamp(min=1e-9)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if loss.requires_grad:  # a process whose sequences supervise nothing adds no gradient
+            loss.backward()
+        self.parallel.sum_gradients(self.head.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         return {
-            "loss": float(loss.detach()),
+            "loss": float(sums[0] / sums[1].clamp(min=1e-9)),
             "grad_norm": float(grad_norm),
             "lr": lr,
-            "positions": preds.hidden.shape[0],
+            "positions": int(sums[2]),
         }
 
     def fit(self, resume: bool = False, target=None) -> TrainResult:
-        """Train to ``config.steps``, evaluating, logging and checkpointing on the way."""
+        """Train to ``config.steps``, evaluating, logging and checkpointing on the way.
+
+        Data-parallel, every process trains; only the main one evaluates, logs and writes
+        checkpoints (the others return an empty evaluation).
+        """
+        main = self.parallel.is_main
         self.out.mkdir(parents=True, exist_ok=True)
         if resume:
             self.resume(target)
-        elif (self.out / "train_log.jsonl").exists():
+        elif main and (self.out / "train_log.jsonl").exists():
             (self.out / "train_log.jsonl").unlink()
+        self.parallel.barrier()  # nobody trains (or logs) before the main process set up the folder
         cfg = self.config
         self.head.train()
         start, positions = time.perf_counter(), 0
         self._started = start
         evaluation: dict[str, Any] = {}
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", disable=not self.progress, unit="step")
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            desc="train",
+            disable=not (self.progress and main),
+            unit="step",
+        )
         while self.step < cfg.steps:
             stats = self.train_step()
             positions += stats["positions"]
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.1e}")
+            if not main:
+                continue
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 self._log({"step": self.step, **stats, "elapsed_s": round(self.train_s, 2)})
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
@@ -488,15 +534,14 @@ class Trainer:
                 self.save()
         bar.close()
         wall = time.perf_counter() - start
-        if not evaluation:
-            evaluation = self.evaluate()
-        final = save_checkpoint(
-            self.out / "final",
-            self.head,
-            self._info(**evaluation, wall_s=round(wall, 1), train_s=round(self.train_s, 1)),
-            _DTYPES[cfg.ship_dtype],
-        )
-        self.save()
+        final = self.out / "final"
+        if main:
+            if not evaluation:
+                evaluation = self.evaluate()
+            info = self._info(**evaluation, wall_s=round(wall, 1), train_s=round(self.train_s, 1))
+            save_checkpoint(final, self.head, info, _DTYPES[cfg.ship_dtype])
+            self.save()
+        self.parallel.barrier()  # the checkpoints exist once any process returns
         return TrainResult(self.step, wall, self.train_s, positions / max(wall, 1e-9), final, evaluation)
 
 
