@@ -11,7 +11,7 @@ from jetflow.bench import datasets
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
-from jetflow.drafters.block_head import default_feature_layers
+from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import second_turns
 from jetflow.drafters.training.corpus import (
     Corpus,

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from jetflow.core.registry import default_registry
     from jetflow.core.target import Target
     from jetflow.drafters.blocks import FrozenTargetParts
-    from jetflow.drafters.training.checkpoint import CheckpointInfo, target_record
+    from jetflow.drafters.checkpoint import CheckpointInfo, target_record
     from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
     from jetflow.drafters.training.distributed import DataParallel
     from jetflow.drafters.training.trainer import TrainConfig, Trainer

@@ -27,50 +27,27 @@ from typing import TYPE_CHECKING
 import torch
 from jetflow.drafters.blocks import (
     KV,
-    AttentionShape,
     DecoderLayer,
     FeatureFusion,
     Rotary,
     init_weights,
     register_draft_vocabulary,
 )
-from jetflow.drafters.training.examples import ExampleBatch, Predictions
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from jetflow.drafters.examples import ExampleBatch, Predictions
+from jetflow.drafters.head_sizes import HeadSizes
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from jetflow.core.target import Target
     from jetflow.drafters.blocks import FrozenTargetParts
 
 
-def default_feature_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
-    """``count`` layers spread evenly from 1 to ``L - 3`` (30 layers: 1, 8, 14, 20, 27)."""
-    top = max(num_layers - 3, 1)
-    if count == 1:
-        return (1,)
-    return tuple(sorted({round(1 + (top - 1) * i / (count - 1)) for i in range(count)}))
-
-
-class BlockHeadConfig(BaseModel):
+class BlockHeadConfig(HeadSizes):
     """Architecture of a block head: everything needed to rebuild it from a checkpoint."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    hidden_size: int = Field(ge=1)
-    feature_layers: tuple[int, ...] = Field(min_length=1, description="1-based target layers fused")
     num_layers: int = Field(2, ge=1, description="head decoder layers")
-    num_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=2)
-    intermediate_size: int = Field(ge=1)
     block_size: int = Field(16, ge=2, description="anchor + mask slots; max draft depth is block_size - 1")
     causal: bool = Field(True, description="in-block mask: causal (JetFlow) or bidirectional (DFlash)")
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    qk_norm: bool = True
-    draft_vocab_size: int | None = Field(
-        None, ge=1, description="draft over the N most frequent response tokens only; None: full vocabulary"
-    )
     anchored_slots: bool = Field(
         False,
         description="add a projection of [anchor embedding ; last context feature] to every mask slot "
@@ -85,11 +62,7 @@ class BlockHeadConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> BlockHeadConfig:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even (rotary embedding)")
+    def _conditioning_needs_causal(self) -> BlockHeadConfig:
         if self.path_conditioning and not self.causal:
             raise ValueError("path_conditioning needs a causal in-block mask")
         return self
@@ -97,36 +70,6 @@ class BlockHeadConfig(BaseModel):
     @property
     def max_depth(self) -> int:
         return self.block_size - 1
-
-    @classmethod
-    def for_target(cls, target: Target, **overrides: object) -> BlockHeadConfig:
-        """Attention sizes copied from the target's config; ``overrides`` win."""
-        config = target.config
-        heads = int(config.num_attention_heads)
-        rope = getattr(config, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        derived = {
-            "hidden_size": target.hidden_size,
-            "feature_layers": default_feature_layers(target.num_layers),
-            "num_heads": heads,
-            "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-            "head_dim": int(getattr(config, "head_dim", None) or target.hidden_size // heads),
-            "intermediate_size": int(config.intermediate_size),
-            "rope_theta": float(theta),
-            "rms_norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
-        }
-        return cls.model_validate(derived | overrides)
-
-    def attention_shape(self) -> AttentionShape:
-        return AttentionShape(
-            hidden_size=self.hidden_size,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size,
-            rms_norm_eps=self.rms_norm_eps,
-            qk_norm=self.qk_norm,
-        )
 
 
 @dataclass(frozen=True)

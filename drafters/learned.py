@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jetflow.core.contracts import Drafter
 from jetflow.core.errors import JetflowError
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
-from jetflow.drafters.training.checkpoint import load_checkpoint, load_weights
+from jetflow.drafters.checkpoint import load_checkpoint, load_weights
 from pydantic import BaseModel
 from torch import nn
 

@@ -22,38 +22,25 @@ time. Each step is one batched forward over every anchor of the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from jetflow.drafters.block_head import BlockHeadConfig, default_feature_layers
 from jetflow.drafters.blocks import (
     KV,
-    AttentionShape,
     DecoderLayer,
     FeatureFusion,
     Rotary,
     init_weights,
     register_draft_vocabulary,
 )
-from jetflow.drafters.training.examples import ExampleBatch, Predictions
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from jetflow.drafters.examples import ExampleBatch, Predictions
+from jetflow.drafters.head_sizes import HeadSizes, default_feature_layers
+from pydantic import Field
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from jetflow.core.target import Target
     from jetflow.drafters.blocks import FrozenTargetParts
-
-#: sizes an EAGLE head copies from the target exactly as a block head does
-_TARGET_DERIVED = (
-    "hidden_size",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "intermediate_size",
-    "rope_theta",
-    "rms_norm_eps",
-)
 
 
 def low_middle_high(num_layers: int) -> tuple[int, ...]:
@@ -66,42 +53,14 @@ def low_middle_high(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({spread[0], spread[len(spread) // 2], spread[-1]}))
 
 
-class EagleHeadConfig(BaseModel):
+class EagleHeadConfig(HeadSizes):
     """Architecture of an EAGLE head: everything needed to rebuild it from a checkpoint."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    hidden_size: int = Field(ge=1)
-    feature_layers: tuple[int, ...] = Field(min_length=1, description="1-based target layers fused")
-    num_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=2)
-    intermediate_size: int = Field(ge=1)
     ttt_steps: int = Field(7, ge=1, description="unrolled training-time-test steps = supervised depths")
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    qk_norm: bool = True
-    draft_vocab_size: int | None = Field(
-        None, ge=1, description="draft over the N most frequent response tokens only; None: full vocabulary"
-    )
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> EagleHeadConfig:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even (rotary embedding)")
-        return self
 
     @classmethod
-    def for_target(cls, target: Target, **overrides: object) -> EagleHeadConfig:
-        """Attention sizes copied from the target's config (as for a block head); ``overrides`` win."""
-        derived = BlockHeadConfig.for_target(target).model_dump(include=set(_TARGET_DERIVED))
-        derived["feature_layers"] = low_middle_high(target.num_layers)
-        return cls.model_validate(derived | overrides)
-
-    def attention_shape(self) -> AttentionShape:
-        return AttentionShape(**{f.name: getattr(self, f.name) for f in fields(AttentionShape)})
+    def default_layers(cls, num_layers: int) -> tuple[int, ...]:
+        return low_middle_high(num_layers)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Training examples: the sequence-store contract, anchor sampling and batch collation.
 
+The batch and prediction types the heads' training hook speaks live beside the heads
+(:mod:`jetflow.drafters.examples`), so inference code never imports this package.
+
 A *sequence* is a target-regenerated conversation with the target's own hidden states:
 ``tokens [T]``, the prompt length, ``features [F, k, H]`` (the selected layers' hidden
 states of tokens ``0 .. F-1``) and ``final [F, H]`` (the target's final normed hidden
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jetflow.drafters.examples import ExampleBatch
 from torch import Tensor
 
 Record = tuple[Tensor, int, Tensor, Tensor]  # tokens [T], prompt length, features [F, k, H], final [F, H]
@@ -142,52 +146,6 @@ def sample_anchors(
     return picked.sort().values
 
 
-@dataclass
-class ExampleBatch:
-    """Sequences padded into one batch, with their anchors.
-
-    Attributes:
-        tokens: ``[b, T]`` long, zero padded.
-        lengths: ``[b]`` tokens per sequence.
-        features: ``[b, F, k, H]`` float, zero padded.
-        feature_lengths: ``[b]`` feature rows per sequence.
-        final: ``[b, F, H]`` float, zero padded.
-        anchors: ``[b, N]`` long (padding anchors are 0).
-        anchor_valid: ``[b, N]`` bool.
-    """
-
-    tokens: Tensor
-    lengths: Tensor
-    features: Tensor
-    feature_lengths: Tensor
-    final: Tensor
-    anchors: Tensor
-    anchor_valid: Tensor
-
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def depth_targets(self, max_depth: int) -> tuple[Tensor, Tensor]:
-        """Which (anchor, depth) pairs are supervised and the position each predicts.
-
-        Returns ``(valid [b, N, D] bool, positions [b, N, D] long)`` with
-        ``positions = anchor + depth``; valid when the token there exists, the teacher
-        state before it exists, and the anchor is real.
-        """
-        depths = torch.arange(1, max_depth + 1, device=self.anchors.device)
-        positions = self.anchors[..., None] + depths  # [b, N, D]
-        valid = (
-            self.anchor_valid[..., None]
-            & (positions < self.lengths[:, None, None])
-            & (positions <= self.feature_lengths[:, None, None])
-        )
-        return valid, positions
-
-    def to(self, device: torch.device | str) -> ExampleBatch:
-        return ExampleBatch(**{name: value.to(device) for name, value in vars(self).items()})
-
-
 def collate(records: Sequence[Record], anchors: Sequence[Tensor], dtype: torch.dtype) -> ExampleBatch:
     """Pad ``records`` and their ``anchors`` (``[n_i]`` each) into one :class:`ExampleBatch`."""
     b = len(records)
@@ -211,21 +169,3 @@ def collate(records: Sequence[Record], anchors: Sequence[Tensor], dtype: torch.d
         batch.anchors[row, : picked.shape[0]] = picked
         batch.anchor_valid[row, : picked.shape[0]] = True
     return batch
-
-
-@dataclass
-class Predictions:
-    """What a head predicts for one batch, flattened over supervised (anchor, depth) pairs.
-
-    Attributes:
-        hidden: ``[M, H]`` head output before the shared LM head (already normed).
-        rows: ``[M]`` batch row of each prediction.
-        positions: ``[M]`` sequence position of the predicted token (label
-            ``tokens[row, position]``, teacher ``final[row, position - 1]``).
-        depths: ``[M]`` draft depth, 1-based (for per-depth weights and metrics).
-    """
-
-    hidden: Tensor
-    rows: Tensor
-    positions: Tensor
-    depths: Tensor

@@ -34,21 +34,15 @@ import torch.nn.functional as F
 from jetflow.core.config import build_config, load_toml, merge
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
-from jetflow.drafters.training.checkpoint import (
+from jetflow.drafters.checkpoint import (
     CheckpointInfo,
     check_target,
     read_checkpoint,
     save_checkpoint,
 )
+from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.training.distributed import DataParallel
-from jetflow.drafters.training.examples import (
-    ExampleBatch,
-    Predictions,
-    SequenceStore,
-    collate,
-    response_token_counts,
-    sample_anchors,
-)
+from jetflow.drafters.training.examples import SequenceStore, collate, response_token_counts, sample_anchors
 from jetflow.drafters.training.losses import LossConfig, depth_weights, position_losses
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from jetflow.drafters.block_head import BlockHead, default_feature_layers
+from jetflow.drafters.block_head import BlockHead
 from jetflow.drafters.blocks import FrozenTargetParts
+from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training.examples import capture_sequences, collate
 
 from .tiny_heads import LAYERS, tiny_head

@@ -11,9 +11,9 @@ from jetflow.core.errors import CheckpointMismatchError, ConfigError, JetflowErr
 from jetflow.core.registry import default_registry
 from jetflow.core.tree import DraftTree
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
+from jetflow.drafters.checkpoint import load_checkpoint
 from jetflow.drafters.eagle.head import EagleHead, EagleHeadConfig, low_middle_high
 from jetflow.drafters.eagle.plugin import EagleDrafter, EagleParams, EagleSession
-from jetflow.drafters.training.checkpoint import load_checkpoint
 from jetflow.drafters.training.examples import capture_sequences, collate
 from jetflow.drafters.training.trainer import TrainConfig, Trainer
 from jetflow.policies.eagle_dynamic import EagleDynamic

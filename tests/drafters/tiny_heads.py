@@ -12,8 +12,8 @@ from jetflow.core.registry import default_registry
 from jetflow.core.target import Target
 from jetflow.drafters.block_head import BlockHead, BlockHeadConfig
 from jetflow.drafters.blocks import FrozenTargetParts
+from jetflow.drafters.checkpoint import CheckpointInfo, save_checkpoint, target_record
 from jetflow.drafters.jetflow import plugin
-from jetflow.drafters.training.checkpoint import CheckpointInfo, save_checkpoint, target_record
 from jetflow.drafters.training.examples import InMemoryStore, capture_sequences
 from jetflow.drafters.training.trainer import TrainConfig, Trainer
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from jetflow.core.errors import CheckpointMismatchError, DataError
-from jetflow.drafters.training.checkpoint import (
+from jetflow.drafters.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     load_checkpoint,

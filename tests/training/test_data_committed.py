@@ -6,7 +6,7 @@ import pytest
 import torch
 from jetflow.core.errors import DataError
 from jetflow.core.target import Target
-from jetflow.drafters.block_head import default_feature_layers
+from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training.corpus import Corpus, default_corpus_dir
 from jetflow.drafters.training.features import FeatureStore
 

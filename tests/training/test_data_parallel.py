@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from jetflow.core.errors import ConfigError
-from jetflow.drafters.training.checkpoint import read_checkpoint
+from jetflow.drafters.checkpoint import read_checkpoint
 from jetflow.drafters.training.distributed import DataParallel
 
 from tests.training.data_parallel_worker import STEPS, trainer

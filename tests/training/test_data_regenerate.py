@@ -9,7 +9,7 @@ import pytest
 import torch
 from jetflow.core.errors import DataError
 from jetflow.core.target import Target
-from jetflow.drafters.block_head import default_feature_layers
+from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import regenerate as regen
 from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.features import FeatureStore, build_features

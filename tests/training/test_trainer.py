@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
-from jetflow.drafters.training.checkpoint import load_checkpoint, read_checkpoint
+from jetflow.drafters.checkpoint import load_checkpoint, read_checkpoint
 from jetflow.drafters.training.trainer import OptimConfig, TrainConfig, lr_factor
 
 from tests.drafters.tiny_heads import quick_trainer, tiny_head

@@ -8,8 +8,8 @@ import pytest
 from jetflow.cli import main as cli
 from jetflow.cli import train as train_cli
 from jetflow.core.target import Target
+from jetflow.drafters.checkpoint import load_checkpoint
 from jetflow.drafters.jetflow.plugin import JetFlowDrafter
-from jetflow.drafters.training.checkpoint import load_checkpoint
 
 from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
 

@@ -1,7 +1,7 @@
 """Measure a SmolLM2-sized block head on this machine: decode-step time and training throughput.
 
-Run: ``.venv/bin/python -m tests.drafters.measure_head_speed [--layers 1 2] [--steps 6]``.
-Prints one JSON line per measurement; never part of the test run (times are not asserted).
+Run: ``.venv/bin/python -m jetflow.drafters.training.head_speed [--layers 1 2] [--steps 6]``.
+Prints one JSON line per measurement: a measurement, not a test (no time is asserted).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from jetflow.core.contracts import DraftContext
 from jetflow.core.target import Target
 from jetflow.drafters.blocks import FrozenTargetParts
+from jetflow.drafters.checkpoint import CheckpointInfo, save_checkpoint, target_record
 from jetflow.drafters.jetflow.plugin import BlockHeadParams, JetFlowDrafter
-from jetflow.drafters.training.checkpoint import CheckpointInfo, save_checkpoint, target_record
 from jetflow.drafters.training.examples import capture_sequences
 from jetflow.drafters.training.trainer import TrainConfig, Trainer
 
