@@ -37,8 +37,10 @@ from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.head_sizes import HeadSizes
 from pydantic import Field, model_validator
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 if TYPE_CHECKING:
+    from jetflow.core.target import Target
     from jetflow.drafters.blocks import FrozenTargetParts
 
 
@@ -59,6 +61,16 @@ class BlockHeadConfig(HeadSizes):
         le=1,
         description="share of training blocks whose first slots hold the true tokens; > 0 trains the "
         "head for the path-conditioned refresh (causal heads only)",
+    )
+    context_tokens: bool = Field(
+        False,
+        description="every context entry also holds the embedding of the token written after it "
+        "(EAGLE's input), so the context carries what followed each feature",
+    )
+    init_from_target: bool = Field(
+        False,
+        description="a new head starts from the target's own top num_layers decoder layers and final "
+        "norm (recorded; a checkpoint's weights are loaded as saved)",
     )
 
     @model_validator(mode="after")
@@ -109,6 +121,9 @@ class BlockHead(nn.Module):
         self.slot_proj = nn.Linear(2 * hidden, hidden, bias=False) if anchored else None
         # Token embeddings are ~10x smaller than the normed fused features: normalise them first.
         self.anchor_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps) if anchored else None
+        tokens = config.context_tokens
+        self.token_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps) if tokens else None
+        self.token_proj = nn.Linear(hidden, hidden, bias=False) if tokens else None
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         #: ``[N]`` vocabulary ids of the draft vocabulary (chosen by the trainer), or None
         self.draft_tokens: Tensor | None
@@ -197,9 +212,22 @@ class BlockHead(nn.Module):
         before = fused.gather(1, (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, fused.shape[-1]))
         return before * (anchors > 0)[..., None]
 
-    def context_kv(self, features: Tensor, start: int = 0) -> tuple[KV, ...]:
+    def context_entries(self, features: Tensor, next_embeds: Tensor | None = None) -> Tensor:
+        """Context entries ``[b, c, H]`` of ``features [b, c, k, H]``: their fusion and, with
+        ``context_tokens``, a projection of the embedding of the token after each one
+        (``next_embeds [b, c, H]``; the last context token's next token is the anchor)."""
+        fused = self.fusion(features.to(self.dtype))
+        if self.token_proj is None:
+            return fused
+        if next_embeds is None:
+            raise ValueError("a head with context_tokens needs the embeddings of the next tokens")
+        return fused + self.token_proj(self.token_norm(next_embeds.to(self.dtype)))
+
+    def context_kv(
+        self, features: Tensor, start: int = 0, next_embeds: Tensor | None = None
+    ) -> tuple[KV, ...]:
         """Per-layer keys/values of ``features [b, c, k, H]`` at positions ``start ..``."""
-        return self.context_kv_of(self.fusion(features.to(self.dtype)), start)
+        return self.context_kv_of(self.context_entries(features, next_embeds), start)
 
     def context_kv_of(self, fused: Tensor, start: int = 0) -> tuple[KV, ...]:
         """Per-layer keys/values of already ``fused [b, c, H]`` features at positions ``start ..``."""
@@ -224,16 +252,18 @@ class BlockHead(nn.Module):
         anchor_embeds: Tensor,
         anchors: Tensor,
         revealed: tuple[Tensor, Tensor] | None = None,
+        next_embeds: Tensor | None = None,
     ) -> Tensor:
         """Many blocks per sequence at once (training).
 
         ``features [b, T, k, H]`` (context of every position), ``anchor_embeds [b, N, H]``,
-        ``anchors [b, N]``, optional ``revealed`` (see :meth:`block_inputs`) -> per-depth
-        hidden states ``[b, N, D, H]`` (D = block_size - 1).
+        ``anchors [b, N]``, optional ``revealed`` (see :meth:`block_inputs`) and, for
+        ``context_tokens``, ``next_embeds [b, T, H]`` (embedding of the token after each
+        position) -> per-depth hidden states ``[b, N, D, H]`` (D = block_size - 1).
         """
         b, n = anchors.shape
         size = self.config.block_size
-        fused = self.fusion(features.to(self.dtype))
+        fused = self.context_entries(features, next_embeds)
         context = self.context_kv_of(fused)
         x, offsets = self.block_inputs(anchor_embeds, revealed, self.fused_before(fused, anchors))
         positions = anchors.repeat_interleave(size, dim=1) + offsets
@@ -251,7 +281,11 @@ class BlockHead(nn.Module):
             revealed = (shared.embed(depth_tokens).view(*positions.shape, -1), counts)
             # A revealed slot sees its own token: it teaches nothing.
             valid = valid & (torch.arange(1, self.max_depth + 1, device=valid.device) > counts[..., None])
-        hidden = self(batch.features, anchor_embeds, batch.anchors, revealed)  # [b, N, D, H]
+        next_embeds = None
+        if self.token_proj is not None:  # token t + 1 for each context position t (zero past the end)
+            following = F.pad(batch.tokens[:, 1:], (0, 1))[:, : batch.features.shape[1]]
+            next_embeds = shared.embed(following)
+        hidden = self(batch.features, anchor_embeds, batch.anchors, revealed, next_embeds)  # [b, N, D, H]
         rows = torch.arange(batch.size, device=valid.device)[:, None, None].expand_as(valid)
         depths = torch.arange(1, self.max_depth + 1, device=valid.device).expand_as(valid)
         return Predictions(hidden[valid], rows[valid], positions[valid], depths[valid])
@@ -280,11 +314,17 @@ class BlockHead(nn.Module):
         last = torch.zeros(c.hidden_size, dtype=self.dtype, device=self.device)
         return ContextCache(tuple((empty, empty) for _ in self.layers), last)
 
-    def extend(self, cache: ContextCache, features: Tensor) -> ContextCache:
-        """Append newly processed tokens' ``features [n, k, H]``: only they are projected."""
+    def extend(
+        self, cache: ContextCache, features: Tensor, next_embeds: Tensor | None = None
+    ) -> ContextCache:
+        """Append newly processed tokens' ``features [n, k, H]``: only they are projected.
+
+        With ``context_tokens``, ``next_embeds [n, H]`` embeds the token after each of them.
+        """
         if features.shape[0] == 0:
             return cache
-        fused = self.fusion(features[None].to(device=self.device, dtype=self.dtype))
+        features = features[None].to(device=self.device, dtype=self.dtype)
+        fused = self.context_entries(features, None if next_embeds is None else next_embeds[None])
         new = self.context_kv_of(fused, start=cache.length)
         return ContextCache(
             tuple(
@@ -329,3 +369,46 @@ class BlockHead(nn.Module):
         context = torch.ones(2 * n, length, dtype=torch.bool, device=self.device)
         mask = torch.cat([context, tree], dim=1)[None]
         return self.block_hidden(x, positions, cache.kv, mask)[0, n:]
+
+
+#: head parameter -> the same tensor's name in a transformers decoder layer (Llama, Qwen3)
+_TARGET_LAYER_NAMES = {
+    "input_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "post_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def target_has_qk_norm(target: Target) -> bool:
+    """Whether the target's attention normalises queries and keys (Qwen3 does, Llama does not)."""
+    return "self_attn.q_norm.weight" in target.model.get_decoder().layers[-1].state_dict()
+
+
+@torch.no_grad()
+def copy_target_layers(head: BlockHead, target: Target) -> None:
+    """Start ``head``'s decoder layers from the target's top ones (and its norm from the final norm).
+
+    With little data the target's own weights are the strongest prior there is; the fusion,
+    mask embedding and slot projections stay freshly initialised. Raises ``ValueError`` when
+    a layer has no counterpart of the same shape (e.g. a mixture-of-experts MLP).
+    """
+    decoder = target.model.get_decoder()
+    sources = decoder.layers[len(decoder.layers) - len(head.layers) :]
+    if len(sources) < len(head.layers):
+        raise ValueError(f"the target has {len(decoder.layers)} layers, the head {len(head.layers)}")
+    for layer, source in zip(head.layers, sources, strict=True):
+        theirs = source.state_dict()
+        for name, tensor in layer.state_dict().items():
+            match = theirs.get(_TARGET_LAYER_NAMES.get(name, ""))
+            if match is None or match.shape != tensor.shape:
+                raise ValueError(f"the target's layers have no {name} of shape {tuple(tensor.shape)}")
+            tensor.copy_(match)
+    head.norm.weight.copy_(decoder.norm.weight)

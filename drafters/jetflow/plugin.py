@@ -20,7 +20,7 @@ from jetflow.core.contracts import DraftContext
 from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
-from jetflow.drafters.block_head import BlockHead, BlockHeadConfig
+from jetflow.drafters.block_head import BlockHead, BlockHeadConfig, copy_target_layers, target_has_qk_norm
 from jetflow.drafters.blocks import full_vocabulary, top_proposals
 from jetflow.drafters.learned import LearnedDrafter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -194,17 +194,26 @@ class JetFlowDrafter(LearnedDrafter):
         """A freshly initialised head for ``target``; ``options`` override the derived sizes."""
         if "causal" in options and options["causal"] != cls.causal:
             raise ConfigError(f"the {cls.name} head is causal={cls.causal}; use the other drafter")
+        options = options | {"causal": cls.causal}
+        if options.get("init_from_target"):  # the copied attention normalises q/k only if the target's does
+            options.setdefault("qk_norm", target_has_qk_norm(target))
         try:
-            config = BlockHeadConfig.for_target(target, **(options | {"causal": cls.causal}))
+            config = BlockHeadConfig.for_target(target, **options)
+            head = BlockHead(config)
+            if config.init_from_target:
+                copy_target_layers(head, target)
         except ValueError as error:
             raise ConfigError(f"invalid head options for {cls.name}: {error}") from None
-        return BlockHead(config)
+        return head
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def begin(self, context: DraftContext) -> PerDepthSession:
         if context.features is not None:
-            self._cache = self.head.extend(self._cache, context.features.to(self.head.dtype))
+            new, following = context.features.shape[0], None
+            if self.head.token_proj is not None and new:  # the token after each newly processed one
+                following = self.shared.embed(context.tokens[-new:].to(self.head.device))
+            self._cache = self.head.extend(self._cache, context.features.to(self.head.dtype), following)
         context.check_in_step(self._cache.length, self.name)
         root = context.tokens[-1].to(self.head.device)
         hidden = self.head.draft(self._cache, self.shared.embed(root))  # [D, H]
