@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from jetflow.bench import datasets
+from jetflow.bench.runner import turn_prompt_ids
 from jetflow.core.errors import DataError
 from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
-from jetflow.drafters.training.corpus import Corpus, default_corpus_dir
+from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, second_turn_dir
 from jetflow.drafters.training.features import FeatureStore
 
 pytestmark = pytest.mark.integration
@@ -62,3 +64,31 @@ def test_cached_features_equal_a_teacher_forced_forward(
     logits = real_target.model.get_output_embeddings()(final.float())
     agree = (logits.argmax(-1) == out.logits[0, :n].argmax(-1)).float().mean()
     assert agree > 0.99, "the fp16 final state must give the teacher's argmax almost everywhere"
+
+
+@pytest.fixture(scope="module")
+def second_turns(corpus: Corpus) -> Corpus:
+    folder = second_turn_dir(corpus.path)
+    if not (folder / "manifest.json").exists():
+        pytest.skip(f"no committed second turns at {folder}")
+    return Corpus(folder)
+
+
+def test_second_turns_follow_the_first_answers_as_the_benchmark_builds_turn_two(
+    corpus: Corpus, second_turns: Corpus, real_target: Target
+) -> None:
+    """A second-turn prompt is MT-Bench's turn-2 prompt with the corpus's own first answer."""
+    samples = {s.id: s for s in datasets.split_sharegpt(datasets.load_sharegpt())[0]}
+    assert set(second_turns.ids) <= set(corpus.ids)
+    sample_id = second_turns.ids[0]
+    tokens, prompt_length = corpus.sequence(corpus.ids.index(sample_id))
+    answer = real_target.decode(tokens[prompt_length:])
+    expected = turn_prompt_ids(real_target, samples[sample_id], 1, [answer])
+    tokens, prompt_length = second_turns.sequence(0)
+    assert tuple(tokens[:prompt_length].tolist()) == expected
+    new_tokens = second_turns.manifest["settings"]["max_new_tokens"]
+    with torch.inference_mode():
+        out = real_target.model.generate(
+            tokens[None, :prompt_length], max_new_tokens=new_tokens, do_sample=False
+        )
+    assert out[0, prompt_length:].tolist() == tokens[prompt_length:].tolist()
