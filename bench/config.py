@@ -23,6 +23,8 @@ AR = "ar"
 HF_GENERATE = "hf-generate"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 BASELINES: tuple[str, ...] = (HF_GENERATE, HF_PROMPT_LOOKUP)
+#: the fields of vLLM's methods (``--vllm``)
+VLLM_FIELDS = frozenset({"vllm", "vllm_ngram_tokens"})
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,10 @@ class BenchConfig(_Frozen):
         "temperature (the `sampling` verifier, seeded by `seed`)",
     )
     seed: int = 0
+    vllm: bool = Field(
+        False, description="also run vllm, vllm-ngram and vllm-<drafter> (exported heads) in .venv-vllm"
+    )
+    vllm_ngram_tokens: int = Field(4, ge=1, description="vllm-ngram's num_speculative_tokens")
     out: str = Field("results", description="folder for results.json, report.md and the plots")
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
 """The methods of a comparison run, all sharing one loaded target.
 
 ``ar`` (the engine loop without a drafter) comes first: it is the reference for speedups
-and for the lossless check. Then the transformers peers, then each drafter at each budget.
+and for the lossless check. Then the transformers peers, then each drafter at each budget,
+then (``vllm``) vLLM's methods, measured against plain vLLM.
 """
 
 from __future__ import annotations
@@ -69,4 +70,8 @@ def build_methods(config: BenchConfig, target: Target, registry: Registry | None
             # "auto" resolves to a calibrated integer; its own name keeps it apart from that fixed run
             name = f"{spec.method}@{AUTO_BUDGET}" if budget == AUTO_BUDGET else spec.method
             methods.append(EngineMethod(name, engine(spec.drafter, tree, params)))
+    if config.vllm:
+        from jetflow.bench.vllm_methods import build_vllm_methods
+
+        methods += build_vllm_methods(config, target, registry)
     return methods

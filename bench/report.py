@@ -191,10 +191,46 @@ def _divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _engines(results: BenchResults) -> list[str]:
+    """vLLM's methods beside jetflow's, each over its own engine's plain decoding (absolute tokens/s too)."""
+    runs = results.runs
+    if not any(run.get("reference", "ar") != "ar" for run in runs):
+        return []
+    rows = [
+        [
+            f"`{r['method']}`",
+            r["dataset"],
+            "vLLM" if r.get("reference", "ar") != "ar" else "jetflow",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['tau']:.2f}",
+            f"{r.get('speedup_vs_reference', r['speedup_vs_ar']):.2f}x over `{r.get('reference', 'ar')}`",
+            f"{r['speedup_vs_ar']:.2f}x",
+        ]
+        for r in sorted(runs, key=lambda r: (r["dataset"], r.get("reference", "ar") != "ar"))
+    ]
+    header = ["method", "dataset", "engine", "tokens/s", "tau", "speedup over its engine's plain", "over ar"]
+    lines = [
+        "",
+        "## vLLM beside jetflow",
+        "",
+        "Each engine against its own plain greedy decoding on the same prompts, in the same process "
+        "order: jetflow's methods over `ar`, vLLM's over `vllm` (whose `lossless` means: equal to "
+        "`vllm`'s output). vLLM's tau and acceptance come from its own spec-decode counters; "
+        "`vllm-<drafter>` serves the head exported by `jetflow export`.",
+        "",
+        *_table(header, rows),
+    ]
+    left_out = results.settings.get("left_out") or {}
+    if left_out:
+        lines += ["", "Not served by vLLM (their heads do not export faithfully):", ""]
+        lines += [f"* `{name}`: {reason}" for name, reason in left_out.items()]
+    return lines
+
+
 def render_markdown(results: BenchResults, plots: Sequence[Path] = ()) -> str:
     lines = _header(results)
     if results.runs:
-        lines += ["", *_summary(results.runs), *_dataset_tables(results.runs)]
+        lines += ["", *_summary(results.runs), *_engines(results), *_dataset_tables(results.runs)]
         lines += _acceptance(results.runs) + _divergences(results.runs)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{path.stem}]({path.name})" for path in plots]

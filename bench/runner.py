@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
-from jetflow.bench.config import AR, BenchConfig
+from jetflow.bench.config import AR, VLLM_FIELDS, BenchConfig
 from jetflow.bench.datasets import Sample, load_dataset_samples
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.lossless import LosslessChecker
@@ -52,6 +52,18 @@ def apply_threads(config: BenchConfig) -> None:
     """Set torch's CPU threads if the config asks (process-wide, as torch only allows)."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+
+
+def reference_of(method: Method) -> str:
+    """The method whose output and speed ``method`` is measured against: ``ar`` unless it says
+    otherwise (vLLM's methods are measured against plain vLLM)."""
+    return getattr(method, "reference", AR)
+
+
+def against_reference(reference: str, speed: float, speeds: Mapping[str, float]) -> dict[str, object]:
+    """A run's reference method and its speedup over that reference (tokens/s ratio)."""
+    base = speeds[reference]
+    return {"reference": reference, "speedup_vs_reference": speed / base if base > 0 else 0.0}
 
 
 def count_turns(samples: Mapping[str, Sequence[Sample]]) -> int:
@@ -94,17 +106,18 @@ class BenchmarkRunner:
             answers: list[str] = []
             for index in range(len(sample.turns)):
                 prompt_ids = turn_prompt_ids(self.target, sample, index, answers)
-                reference: Generation | None = None
+                generations: dict[str, Generation] = {}
                 for method, method_records in zip(self.methods, records, strict=True):
                     generation = method.generate(prompt_ids, self.config.max_new_tokens)
-                    reference = reference or generation
+                    generations[method.name] = generation
+                    reference = generations[reference_of(method)]
                     record = TurnRecord(sample.id, index, prompt_ids, generation)
                     if generation is not reference and self.config.greedy:
                         record = self._compare(method, record, reference)
                     method_records.append(record)
                     if on_generation:
                         on_generation()
-                answers.append(self.target.decode(list(reference.token_ids)))
+                answers.append(self.target.decode(list(generations[AR].token_ids)))
         return records
 
     def _compare(self, method: Method, record: TurnRecord, reference: Generation) -> TurnRecord:
@@ -117,8 +130,9 @@ class BenchmarkRunner:
         level = logging.ERROR if divergence.kind == "bug" else logging.INFO
         log.log(
             level,
-            "%s diverges from ar on %s turn %d: %s",
+            "%s diverges from %s on %s turn %d: %s",
             method.name,
+            reference_of(method),
             record.sample_id,
             record.turn,
             divergence,
@@ -131,10 +145,13 @@ class BenchmarkRunner:
 
     def settings(self, samples: Mapping[str, Sequence[Sample]]) -> dict[str, object]:
         """What decides the run's figures (recorded in results.json, compared on resume)."""
+        # the vLLM fields only where vLLM runs, so results written before they existed still resume
+        vllm = {"left_out": {k: v for m in self.methods for k, v in getattr(m, "left_out", {}).items()}}
         return {
-            **self.config.model_dump(mode="json"),
+            **self.config.model_dump(mode="json", exclude=None if self.config.vllm else VLLM_FIELDS),
             "resolved_dtype": dtype_name(self.target.dtype),
             "methods": [{"method": m.name, "budget": m.budget, "policy": m.policy} for m in self.methods],
+            **(vllm if self.config.vllm else {}),
             "n_samples": {name: len(group) for name, group in samples.items()},
         }
 
@@ -168,9 +185,10 @@ class BenchmarkRunner:
             for name, group in todo.items():
                 bar.set_postfix_str(name)
                 records = self.run_dataset(group, on_generation=bar.update)
-                ar_speed = tokens_per_s(records[0])
+                speeds = {m.name: tokens_per_s(r) for m, r in zip(self.methods, records, strict=True)}
                 for method, method_records in zip(self.methods, records, strict=True):
-                    row = summarise(method, name, dtype, method_records, ar_speed)
+                    row = summarise(method, name, dtype, method_records, speeds[AR])
+                    row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
                     results.runs.append(row | {"temperature": self.config.temperature} | self._checked())
                 if on_dataset:
                     on_dataset(results)

@@ -20,7 +20,7 @@ EXIT_NOT_LOSSLESS = 1
 #: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
 _CONFIG_FLAGS = (
     *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
-    *("dtype", "target", "threads", "temperature", "seed", "out"),
+    *("dtype", "target", "threads", "temperature", "seed", "out", "vllm"),
 )
 
 
@@ -56,6 +56,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, help="seed of the sampling runs (default 0)")
     parser.add_argument("--out", help="output folder (default results/)")
     parser.add_argument(
+        "--vllm",
+        action="store_true",
+        default=None,
+        help="also run vllm, vllm-ngram and vllm-<drafter> for each drafter whose head exports "
+        "(in .venv-vllm: `make vllm`); their speedups are over vllm, jetflow's over ar",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="keep the data sets already in OUT/results.json (same settings) and run the rest, "
@@ -82,6 +89,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
         words += ["--threads", str(config.threads)]
     if not config.greedy:
         words += ["--temperature", str(config.temperature), "--seed", str(config.seed)]
+    if config.vllm:
+        words.append("--vllm")
     return shlex.join(words)
 
 
@@ -107,9 +116,10 @@ def run(args: argparse.Namespace) -> int:
     paths = write_outputs(save(results), config.out)
     for run_row in results.runs:
         budget = "" if run_row["budget"] is None else f" B={run_row['budget']}"
+        speedup = run_row.get("speedup_vs_reference", run_row["speedup_vs_ar"])
         print(
             f"{run_row['dataset']:<12} {run_row['method'] + budget:<28} tau {run_row['tau']:5.2f}  "
-            f"{run_row['tokens_per_s']:7.1f} tok/s  {run_row['speedup_vs_ar']:5.2f}x"
+            f"{run_row['tokens_per_s']:7.1f} tok/s  {speedup:5.2f}x vs {run_row.get('reference', 'ar')}"
             f"{'  NOT LOSSLESS' if run_row['lossless'] is False else ''}"
         )
     print("wrote " + ", ".join(str(path) for path in paths))

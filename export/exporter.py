@@ -1,0 +1,106 @@
+"""``export_drafter``: a drafter's trained head, loaded exactly as jetflow runs it, written for vLLM.
+
+The head is loaded through the drafter plugin (the same checkpoint lookup and target check
+as decoding), so what is exported is what jetflow measured. A block head (``jetflow``,
+``dflash``) becomes a DFlash folder; jetflow's EAGLE head has a layout vLLM's Eagle3 class
+does not share and is refused with the differences named.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from jetflow.core.errors import ConfigError
+from jetflow.core.registry import Registry, default_registry
+from jetflow.core.target import DEFAULT_TARGET, Target, embedded_default_folder
+from jetflow.drafters.block_head import BlockHead
+from jetflow.drafters.eagle.head import EagleHead
+from jetflow.export.compat import NotExportableError, eagle3_differences
+from jetflow.export.dflash import SpeculatorsExport, export_block_head
+from jetflow.export.folder import write_export
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("speculators",)
+
+
+def verifier_for(target_spec: str) -> str:
+    """What vLLM loads as the target: the embedded folder, a local folder, or a hub id."""
+    if target_spec == DEFAULT_TARGET:
+        return str(embedded_default_folder())
+    if target_spec.endswith(".gguf"):
+        raise ConfigError("vLLM serves the target from a safetensors folder or hub id: pass --verifier")
+    path = Path(target_spec)
+    return str(path.resolve()) if path.exists() else target_spec
+
+
+def build_export(
+    drafter: str,
+    target: Target,
+    target_spec: str = DEFAULT_TARGET,
+    *,
+    params: dict[str, Any] | None = None,
+    verifier: str | None = None,
+    mask_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    registry: Registry | None = None,
+) -> SpeculatorsExport:
+    """The export of ``drafter`` (with ``params``, e.g. ``checkpoint``) on ``target``, not yet written."""
+    registry = registry or default_registry()
+    drafter_cls = registry.get("drafter", drafter)
+    instance = drafter_cls(drafter_cls.Params.model_validate(params or {}), target)
+    head = getattr(instance, "head", None)
+    checkpoint = getattr(instance, "checkpoint", None)
+    if isinstance(head, EagleHead):
+        raise NotExportableError(drafter, "eagle3", eagle3_differences(head.config.model_dump()))
+    if not isinstance(head, BlockHead):
+        raise ConfigError(f"drafter {drafter!r} has no trained block head to export")
+    info = getattr(instance, "checkpoint_info", None)
+    provenance = {
+        "checkpoint": str(checkpoint),
+        "target": target.name,
+        "chain_accept": (info.state or {}).get("chain_accept") if info else None,
+    }
+    return export_block_head(
+        head,
+        target,
+        drafter=drafter,
+        verifier=verifier or verifier_for(target_spec),
+        mask_token_id=mask_token_id,
+        dtype=dtype,
+        provenance=provenance,
+    )
+
+
+def export_drafter(
+    drafter: str,
+    out: str | Path,
+    target_spec: str = DEFAULT_TARGET,
+    *,
+    fmt: str = "speculators",
+    params: dict[str, Any] | None = None,
+    verifier: str | None = None,
+    mask_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    registry: Registry | None = None,
+) -> Path:
+    """Load the target (fp32: the LM-head rows are copied exactly), export the head, write ``out``."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}; known formats: {', '.join(FORMATS)}")
+    target = Target.load(target_spec, torch.float32, device="cpu")
+    export = build_export(
+        drafter,
+        target,
+        target_spec,
+        params=params,
+        verifier=verifier,
+        mask_token_id=mask_token_id,
+        dtype=dtype,
+        registry=registry,
+    )
+    path = write_export(export, out)
+    log.info("exported %s as %s to %s", drafter, export.config.speculators_model_type, path)
+    return path

@@ -1,0 +1,82 @@
+"""Writing and reading an export folder; a written folder is read back and checked before it counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from jetflow.core.errors import ConfigError, DataError
+from jetflow.export.dflash import SpeculatorsExport
+from jetflow.export.schema import CONFIG_JSON, MASK_EMBEDDING, WEIGHTS, DFlashConfig
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+
+def check_tensors(config: DFlashConfig, tensors: dict[str, Tensor]) -> None:
+    """The tensors are exactly those vLLM's model loads for ``config``, in its shapes (clear error if not)."""
+    expected = config.expected_tensors()
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise DataError(
+            f"export tensors do not match the DFlash layout: missing {missing}, unexpected {extra}"
+        )
+    wrong = [
+        f"{n} {tuple(t.shape)} != {expected[n]}" for n, t in tensors.items() if tuple(t.shape) != expected[n]
+    ]
+    if wrong:
+        raise DataError("export tensors have the wrong shapes: " + "; ".join(wrong))
+    if config.own_lm_head:
+        vocab = config.transformer_layer_config.vocab_size
+        targets = torch.arange(config.draft_vocab_size) + tensors["d2t"]
+        if (
+            int(targets.min()) < 0
+            or int(targets.max()) >= vocab
+            or targets.unique().numel() != targets.numel()
+        ):
+            raise DataError("d2t does not map the draft vocabulary onto distinct target tokens")
+        if not torch.equal(tensors["t2d"].nonzero().flatten(), targets.sort().values):
+            raise DataError("t2d does not mark exactly the draft vocabulary")
+
+
+def write_export(export: SpeculatorsExport, out: str | Path) -> Path:
+    """Write ``export`` into ``out`` atomically (an earlier export there is replaced), then check it."""
+    out = Path(out)
+    if out.exists() and not (out / CONFIG_JSON).is_file():
+        raise ConfigError(f"{out} exists and is not an export folder; choose a new --out")
+    check_tensors(export.config, export.tensors)
+    staging = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    (staging / CONFIG_JSON).write_text(json.dumps(export.config.model_dump(mode="json"), indent=2) + "\n")
+    save_file(export.tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+    mask = {"mask_token_id": export.config.mask_token_id, "embedding": export.mask_embedding}
+    torch.save(mask, staging / MASK_EMBEDDING)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.replace(out)
+    read_export(out)
+    return out
+
+
+def read_export(folder: str | Path) -> tuple[DFlashConfig, dict[str, Tensor], Tensor]:
+    """A folder's config, tensors and mask embedding, checked against the format."""
+    folder = Path(folder)
+    try:
+        config = DFlashConfig.model_validate_json((folder / CONFIG_JSON).read_text())
+        tensors = load_file(str(folder / WEIGHTS))
+        mask = torch.load(folder / MASK_EMBEDDING, weights_only=True)
+    except FileNotFoundError as error:
+        raise DataError(f"{folder} is not a complete export: {error.filename} is missing") from None
+    except ValidationError as error:
+        problem = error.errors()[0]
+        raise DataError(
+            f"{folder / CONFIG_JSON}: {'.'.join(map(str, problem['loc']))}: {problem['msg']}"
+        ) from None
+    check_tensors(config, tensors)
+    if mask.get("mask_token_id") != config.mask_token_id:
+        raise DataError(f"{MASK_EMBEDDING} names another mask token than config.json")
+    return config, tensors, mask["embedding"]
