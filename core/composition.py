@@ -146,6 +146,18 @@ class ComposedSession:
         self._record = record
         depths = [s.max_depth for s in self.sessions]
         self.max_depth = None if None in depths else max(depths)
+        if any(getattr(s, "refine", None) is not None for s in self.sessions):
+            self.refine = self._refine  # the engine refines a session that offers it
+
+    def _refine(self, tree: DraftTree) -> ComposedSession:
+        """Both parts, each refined on ``tree`` if it can be (e.g. JetFlow's refresh).
+
+        The tree rebuilt from the refined session is the one verified, so only its
+        proposals are judged for the hit rate.
+        """
+        self._record.clear()
+        refined = [s.refine(tree) if getattr(s, "refine", None) is not None else s for s in self.sessions]
+        return ComposedSession(refined, self.weight, self._record)
 
     @property
     def forwards(self) -> int:

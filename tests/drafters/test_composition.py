@@ -18,7 +18,7 @@ from jetflow.policies.best_first import BestFirst
 from tests.core.test_engine import _reference
 from tests.drafters.test_eagle import eagle_trainer
 
-from .tiny_heads import jetflow_registered, quick_trainer
+from .tiny_heads import jetflow_registered, quick_trainer, tiny_head
 
 INF = float("-inf")
 
@@ -125,6 +125,23 @@ def test_jetflow_plus_ngram_is_lossless(tiny_llama, trained_head, policy: str, b
         accepted += sum(step.accepted for step in result.steps)
     assert accepted > 0
     assert engine.drafter.hit_rate.trials > 0, "the lookup's proposals were judged against the output"
+
+
+def test_a_refreshing_head_is_refreshed_inside_the_composition(tiny_llama, tmp_path) -> None:
+    head = tiny_head(tiny_llama, path_conditioning=0.5)
+    checkpoint = quick_trainer(tiny_llama, tmp_path, head=head, steps=20).fit().final_checkpoint
+    engine = _engine(
+        tiny_llama,
+        drafter="jetflow+ngram",
+        drafter_params={"jetflow": {"checkpoint": str(checkpoint), "refresh": True}},
+        tree={"budget": 8, "width": 3},
+        max_new_tokens=24,
+        stop_at_eos=False,
+    )
+    for prompt in _repetitive_prompts()[:2]:
+        result = engine.generate(prompt)
+        assert result.token_ids == _reference(tiny_llama, prompt, 24, eos=False), prompt
+        assert all(step.draft_forwards == 2 for step in result.steps if step.budget), "block pass + refresh"
 
 
 def test_either_order_is_lossless_and_best_first_trees_stay_nested(tiny_llama, trained_head) -> None:
