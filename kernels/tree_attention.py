@@ -45,6 +45,7 @@ def _attend_block(
     acc,
     qk_scale,
     DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One key block of the online softmax: scores, running max, rescaled sums and output."""
     k = tl.load(k_ptrs, mask=load_ok, other=0.0)
@@ -52,14 +53,14 @@ def _attend_block(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # log2 domain
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -93,6 +94,7 @@ def _tree_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -134,6 +136,7 @@ def _tree_attention_kernel(
             acc,
             qk_scale,
             DOT_FP32,
+            PRECISION,
         )
 
     # The tree's own entries, through the ancestor bits; none after this tile's last row.
@@ -159,6 +162,7 @@ def _tree_attention_kernel(
             acc,
             qk_scale,
             DOT_FP32,
+            PRECISION,
         )
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows only: every node sees itself
@@ -242,6 +246,8 @@ def tree_attention(
         # The interpreter multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
         # (triton 3.9), so it computes bf16 dots in fp32; compiled kernels use bf16 tensor cores.
         DOT_FP32=INTERPRETED and query.dtype == torch.bfloat16,
+        # fp32 inputs multiply exactly like SDPA's fp32 matmuls (no tf32); 16-bit ones ignore it
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (4 if block_d <= 64 else 8),
         num_stages=num_stages,
     )

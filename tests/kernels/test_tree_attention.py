@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jetflow.kernels.tree_mask import dense_visibility, tree_mask
 
-from .trees import chain, parent_lists, tree_of
+from .trees import NO_SHRINK, chain, parent_lists, tree_of
 
 #: (atol, rtol) per dtype: a few units in the last place of outputs of magnitude ~1
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 2e-2)}
@@ -53,7 +53,7 @@ def _assert_matches(out, expected) -> None:
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, phases=NO_SHRINK, suppress_health_check=[HealthCheck.too_slow])
 @given(
     parents=parent_lists(max_nodes=40),
     n_prefix=st.integers(0, 40),

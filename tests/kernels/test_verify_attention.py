@@ -24,7 +24,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tests.conftest import make_tiny_target
 
-from .trees import parent_lists, tree_of
+from .trees import NO_SHRINK, parent_lists, tree_of
 
 PROMPT = [7, 8, 9, 10, 11] * 3 + [7]
 
@@ -78,7 +78,12 @@ def test_unsupported_models_are_named() -> None:
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=4,
+    deadline=None,
+    phases=NO_SHRINK,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(prefix=st.lists(st.integers(2, 255), min_size=1, max_size=20), parents=parent_lists(max_nodes=36))
 def test_tree_verify_through_the_kernel_equals_sdpa(kernels, twins, architecture, prefix, parents) -> None:
     outputs = []

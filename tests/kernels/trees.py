@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import Phase
 from hypothesis import strategies as st
 from jetflow.core.tree import DraftTree
+
+#: shrinking a failure re-runs the interpreted kernel hundreds of times (many minutes), so the
+#: kernel's property tests report the first failing example as found
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 
 
 def tree_of(parents: list[int]) -> DraftTree:
