@@ -119,7 +119,7 @@ class Engine:
 
         start = time.perf_counter()
         tokens = torch.tensor(ids, dtype=torch.long)
-        cache, features = self.target.prefill(tokens[:-1], layers)
+        cache, features = self.target.prefill(tokens[:-1], layers, capacity=context_needed)
         new: list[int] = []
         steps: list[StepRecord] = []
         finish: FinishReason | None = None

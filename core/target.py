@@ -19,7 +19,9 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from jetflow.core.compiled import CompiledForward
 from jetflow.core.errors import TargetError
+from jetflow.core.kv_cache import is_slab, slab_cache, supports_slab
 from jetflow.core.precision import default_device, dtype_name
 from jetflow.core.tree import DraftTree
 from jetflow.kernels.verify_attention import select_verify_attention, verify_mask
@@ -61,6 +63,8 @@ class Target:
         self.name = name
         #: the verify forward's attention: ``triton-tree`` (CUDA, the tree kernel) or ``sdpa``
         self.attention = select_verify_attention(self.model)
+        #: the compiled verify forward (:meth:`use_compiled`), or None for the eager one
+        self.compiled: CompiledForward | None = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -158,13 +162,28 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ forward passes
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+    def use_compiled(self, compiled: CompiledForward | None) -> None:
+        """Verify through ``compiled`` (None: eagerly) from now on; slab caches only."""
+        self.compiled = compiled
+
+    def new_cache(self, capacity: int | None = None) -> DynamicCache:
+        """A KV cache: a slab of ``capacity`` positions written in place (it grows if outrun),
+        or transformers' ``DynamicCache`` without a capacity or for layers a slab cannot hold."""
+        cache = DynamicCache(config=self.config)
+        if capacity is None or not supports_slab(cache):
+            return cache
+        return slab_cache(self.model, 1, capacity)
 
     @torch.inference_mode()
-    def prefill(self, ids: Tensor, layers: tuple[int, ...] = ()) -> tuple[DynamicCache, Tensor | None]:
-        """Process ``ids`` (``[seq]``) into a fresh KV cache; features ``[seq, k, hidden]``."""
-        cache = self.new_cache()
+    def prefill(
+        self, ids: Tensor, layers: tuple[int, ...] = (), capacity: int | None = None
+    ) -> tuple[DynamicCache, Tensor | None]:
+        """Process ``ids`` (``[seq]``) into a fresh KV cache; features ``[seq, k, hidden]``.
+
+        ``capacity``: the positions the cache will hold (prompt, answer and the largest tree);
+        given, the cache is a preallocated slab (see :meth:`new_cache`).
+        """
+        cache = self.new_cache(capacity)
         if ids.numel() == 0:
             return cache, None
         out = self.model(
@@ -183,6 +202,19 @@ class Target:
         Appends the tree's entries to ``cache``; :meth:`commit` then keeps the accepted ones.
         """
         n_cached = cache.get_seq_length()
+        compiled = self.compiled
+        if compiled is not None and n_cached > 0 and compiled.bucket(tree.size) and is_slab(cache):
+            visible = torch.cat(
+                [torch.ones(tree.size, n_cached, dtype=torch.bool), tree.ancestor_mask], dim=1
+            )
+            logits, hidden = compiled(
+                cache,
+                tree.tokens.to(self.device),
+                (n_cached + tree.depths).to(self.device),
+                visible.to(self.device),
+            )
+            features = torch.stack([hidden[i] for i in layers], dim=1) if layers else None
+            return VerifyOutput(logits=logits.float(), features=features)
         mask = verify_mask(tree.ancestor_mask, n_cached, self.attention, self.dtype, self.device)
         out = self.model(
             input_ids=tree.tokens[None].to(self.device),
@@ -203,6 +235,10 @@ class Target:
         prefix before ``n_cached`` is never touched or recomputed.
         """
         source = (n_cached + path).to(cache.layers[0].keys.device)
+        if is_slab(cache):
+            for layer in cache.layers:
+                layer.keep(n_cached, source)
+            return
         end = n_cached + int(path.shape[0])
         for layer in cache.layers:
             layer.keys[:, :, n_cached:end] = layer.keys[:, :, source]

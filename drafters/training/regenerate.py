@@ -4,7 +4,7 @@ The target answers each prompt greedily in its own batched decode loop, so the h
 states the feature cache needs are captured during generation: the target never runs
 twice over the same tokens. On a CPU the loop is bound by memory traffic as much as by
 arithmetic, hence: prompts prefilled in groups of similar length, one KV slab written in
-place (:mod:`slab_cache`), finished rows and padding no row needs dropped as they appear.
+place (:mod:`jetflow.core.kv_cache`), finished rows and padding no row needs dropped as they appear.
 Prompts go through in fixed-size shards; each complete shard is written atomically, so an
 interrupted run resumes after its last complete shard.
 """
@@ -31,7 +31,7 @@ from jetflow.drafters.training.features import (
     decoder_states,
     feature_dir,
 )
-from jetflow.drafters.training.slab_cache import slab_cache
+from jetflow.core.kv_cache import slab_cache
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel

@@ -13,7 +13,7 @@ from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import regenerate as regen
 from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.features import FeatureStore, build_features
-from jetflow.drafters.training.slab_cache import SlabLayer
+from jetflow.core.kv_cache import SlabLayer
 
 from tests.conftest import make_tiny_target
 

@@ -1,10 +1,13 @@
-"""A KV cache allocated once per batch, for long batched generation on a CPU.
+"""A KV cache allocated once per generation (or batch) and written in place.
 
-``DynamicCache`` appends by concatenation, copying a layer's whole history at every step:
-at batch 32 and 400 cached tokens that copy (~230 ms a step on this 2-core machine) costs
-more than the forward itself. A slab holds ``[batch, kv_heads, capacity, head_dim]`` from
-the start; appending writes in place and ``keys``/``values`` are views of the filled part,
-so every reader of a ``DynamicLayer`` (mask sizes, sequence length, crop) works unchanged.
+``DynamicCache`` appends by concatenation, copying a layer's whole history at every step: for
+one sequence that copy is a sizeable share of a CPU decoding step, and at batch 32 with 400
+cached tokens it costs more than the forward itself. A slab holds
+``[batch, kv_heads, capacity, head_dim]`` from the start; appending writes in place and
+``keys``/``values`` are views of the filled part, so every reader of a ``DynamicLayer`` (mask
+sizes, sequence length, crop) works unchanged. The engine commits an accepted tree path by
+gathering its entries to the front of the tree's slot (:meth:`SlabLayer.keep`), and the
+compiled target (:mod:`jetflow.core.compiled`) writes the same storage from inside its graph.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class SlabLayer(DynamicLayer):
     def capacity(self) -> int:
         return int(self.key_slab.shape[-2])
 
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[-2])
+
     def set_length(self, length: int) -> None:
         """Expose the first ``length`` positions as the cached keys and values."""
         self.keys = self.key_slab[:, :, :length]
@@ -40,12 +47,42 @@ class SlabLayer(DynamicLayer):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         start = self.keys.shape[-2]
         stop = start + key_states.shape[-2]
-        if stop > self.capacity:
-            raise ValueError(f"slab cache full: {stop} positions asked, capacity {self.capacity}")
+        self.reserve(stop)
         self.key_slab[:, :, start:stop] = key_states
         self.value_slab[:, :, start:stop] = value_states
         self.set_length(stop)
         return self.keys, self.values
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` in all; a full slab doubles (one copy, amortised)."""
+        if positions <= self.capacity:
+            return
+        length, capacity = self.length, max(positions, 2 * self.capacity)
+        grown = [
+            slab.new_zeros((*slab.shape[:2], capacity, slab.shape[-1]))
+            for slab in (self.key_slab, self.value_slab)
+        ]
+        for new, old in zip(grown, (self.key_slab, self.value_slab), strict=True):
+            new[:, :, :length] = old[:, :, :length]
+        self.key_slab, self.value_slab = grown
+        self.set_length(length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (transformers' negative-count convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
+        self.set_length(self.length + tokens_to_remove)
+
+    def keep(self, start: int, source: Tensor) -> None:
+        """Move positions ``source`` (absolute, ascending) to ``start, start + 1, ...`` and drop the rest.
+
+        The gather reads before it writes (advanced indexing copies the few kept rows), so
+        overlapping source and destination are safe; the prefix before ``start`` is untouched.
+        """
+        stop = start + int(source.shape[0])
+        self.key_slab[:, :, start:stop] = self.key_slab[:, :, source]
+        self.value_slab[:, :, start:stop] = self.value_slab[:, :, source]
+        self.set_length(stop)
 
     def write(self, rows: Tensor, start: int, keys: Tensor, values: Tensor) -> None:
         """Copy another cache's ``keys``/``values`` ``[len(rows), h, n, d]`` into ``rows`` at ``start``."""
@@ -79,7 +116,7 @@ def slab_cache(model, batch: int, capacity: int) -> DynamicCache:
     """
     config = model.config.get_text_config(decoder=True)
     cache = DynamicCache(config=model.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not supports_slab(cache):
         raise ValueError("slab caches support full-attention layers only")
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -92,3 +129,12 @@ def slab_cache(model, batch: int, capacity: int) -> DynamicCache:
         for _ in cache.layers
     ]
     return cache
+
+
+def supports_slab(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` is plain full attention (no sliding window, no state)."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def is_slab(cache: DynamicCache) -> bool:
+    return bool(cache.layers) and all(isinstance(layer, SlabLayer) for layer in cache.layers)
