@@ -176,6 +176,12 @@ def _block_m(n_nodes: int) -> int:
     return min(64, max(16, triton.next_power_of_2(n_nodes)))
 
 
+def _block_n(block_m: int, block_d: int) -> int:
+    """Keys per block: 64, or 32 for the largest tiles (64 rows of head dim 128), where sm_90
+    code at 64 keys spills registers (seen compiling for sm_90; 128 keys spill at any size)."""
+    return 32 if block_m * block_d >= 64 * 128 else 64
+
+
 def tree_attention(
     query: Tensor,
     key: Tensor,
@@ -183,7 +189,7 @@ def tree_attention(
     mask: Tensor,
     scale: float | None = None,
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> Tensor:
@@ -212,6 +218,7 @@ def tree_attention(
     out = torch.empty(batch, n, heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = block_m or _block_m(n)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = block_n or _block_n(block_m, block_d)
     log2e = 1.4426950408889634
     qk_scale = (scale if scale is not None else head_dim**-0.5) * log2e
     grid = (triton.cdiv(n, block_m), batch * heads)
@@ -250,6 +257,7 @@ def tree_attention(
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (4 if block_d <= 64 else 8),
         num_stages=num_stages,
+        enable_fp_fusion=True,  # multiply-adds fused, as triton has defaulted to so far
     )
     return out
 

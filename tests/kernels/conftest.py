@@ -8,7 +8,8 @@ its start: the parent process (the ordinary test run) starts it once, at this fo
 test, for exactly the tests it selected, and each test here then reports its own outcome from
 the child (failure text included). Nothing outside this folder ever sees the variable or an
 interpreted triton. With a GPU, or when the whole run already has ``TRITON_INTERPRET=1``, the
-tests run in place.
+tests run in place. Tests marked ``compiled`` (ahead-of-time compilation for a GPU, which needs
+no GPU) always run in the ordinary process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ ON_GPU = torch.cuda.is_available()
 IN_PLACE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 REPORT = "JETFLOW_KERNEL_TEST_REPORT"  # the child appends one JSON line per test phase here
 HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "compiled: needs a process in which triton compiles (not interpreted)")
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +68,8 @@ else:
     _outcomes: dict[str, dict] | None = None
 
     def _mine(item: pytest.Item) -> bool:
-        return HERE in Path(item.path).resolve().parents
+        """A test the child runs: this folder's, except those that need triton to compile."""
+        return HERE in Path(item.path).resolve().parents and item.get_closest_marker("compiled") is None
 
     def _run_child(session: pytest.Session) -> dict[str, dict]:
         """Run this folder's selected tests once in an interpreter child; outcome per node id."""
