@@ -81,7 +81,14 @@ GPU_BENCH_ATTENTION_OUT ?= bench/results/tree-attention
 gpu-bench-attention: setup
 	$(VENV)/bin/python -m jetflow.kernels.bench --out $(GPU_BENCH_ATTENTION_OUT) $(GPU_BENCH_ATTENTION_FLAGS)
 
-gpu-check: gpu-bench-attention
+# The kernel's tests compiled on the GPU (elsewhere they run in Triton's interpreter).
+.PHONY: gpu-test-kernels
+gpu-test-kernels: setup
+	@$(VENV)/bin/python -c "import sys, torch; torch.cuda.is_available() or sys.exit( \
+		'make gpu-test-kernels needs a CUDA device; torch sees none')"
+	$(VENV)/bin/python -m pytest -q tests/kernels
+
+gpu-check: gpu-test-kernels gpu-bench-attention
 gpu-check: GPU_BENCH_ATTENTION_FLAGS = --no-sweep
 
 clean:
