@@ -87,7 +87,8 @@ def _header(results: BenchResults) -> list[str]:
     else:
         ties = sum(run.get("rounding_ties", 0) for run in results.runs)
         note = f" ({ties} bf16 rounding ties, see below)" if ties else ""
-        lines += ["", f"Lossless check passed: every method's greedy output equals `ar`'s{note}."]
+        against = "its reference's (`ar`; `vllm` for vLLM's methods)" if _has_vllm(results.runs) else "`ar`'s"
+        lines += ["", f"Lossless check passed: every method's greedy output equals {against}{note}."]
     return lines
 
 
@@ -191,10 +192,14 @@ def _divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _has_vllm(runs: Sequence[dict[str, Any]]) -> bool:
+    return any(run.get("reference", "ar") != "ar" for run in runs)
+
+
 def _engines(results: BenchResults) -> list[str]:
     """vLLM's methods beside jetflow's, each over its own engine's plain decoding (absolute tokens/s too)."""
     runs = results.runs
-    if not any(run.get("reference", "ar") != "ar" for run in runs):
+    if not _has_vllm(runs):
         return []
     rows = [
         [
@@ -215,8 +220,9 @@ def _engines(results: BenchResults) -> list[str]:
         "",
         "Each engine against its own plain greedy decoding on the same prompts, in the same process "
         "order: jetflow's methods over `ar`, vLLM's over `vllm` (whose `lossless` means: equal to "
-        "`vllm`'s output). vLLM's tau and acceptance come from its own spec-decode counters; "
-        "`vllm-<drafter>` serves the head exported by `jetflow export`.",
+        "`vllm`'s output). vLLM's tau and acceptance come from its own spec-decode counters (it "
+        "reports no draft/verify split: those shares read 0); `vllm-<drafter>` serves the head "
+        "exported by `jetflow export`.",
         "",
         *_table(header, rows),
     ]
