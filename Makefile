@@ -36,6 +36,20 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration"
 
+# For a machine with a GPU (never part of `make test`): the lossless tests and a short bench with
+# every target on CUDA (JETFLOW_DEVICE=cuda), after the kernel checks below. Stops at once, saying
+# why, where torch sees no GPU.
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_CHECK_TESTS = tests/core/test_engine.py tests/core/test_sampling_engine.py \
+	tests/core/test_device_placement.py tests/integration/test_lossless_real.py
+.PHONY: gpu-check
+gpu-check: setup
+	@$(VENV)/bin/python -c "import sys, torch; torch.cuda.is_available() or sys.exit( \
+		f'make gpu-check needs a CUDA device; torch {torch.__version__} sees none')"
+	JETFLOW_DEVICE=cuda $(VENV)/bin/python -m pytest -q $(GPU_CHECK_TESTS)
+	JETFLOW_DEVICE=cuda $(VENV)/bin/jetflow bench --config bench/configs/default.toml --datasets humaneval \
+		--limit 3 --max-new-tokens 64 --out $(GPU_CHECK_OUT)
+
 bench: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/drafters.toml --out bench/results/drafters
 

@@ -2,9 +2,9 @@
 
 A calibration measures what a step costs at each budget on this machine and how many tokens it
 accepts on the calibration's own prompts. The cost is a property of the machine; acceptance is
-a property of the text. The bench showed how far the two can part: at budget 2 the calibration
-prompts gave tau 1.28, CHAMP 1.44 and HumanEval 1.29, so one static choice was 9% slower than
-the best fixed budget on CHAMP. Here the costs stay calibrated and tau is re-estimated online:
+a property of the text, and the two can part far enough (the calibration's prompts against a
+benchmark's) that one static choice loses to the best fixed budget on some data set. Here the
+costs stay calibrated and tau is re-estimated online:
 
 * **Nested observations.** For a policy whose budget-``b`` tree is the ``b`` best-scored nodes
   of any larger tree (:attr:`TreePolicy.nested`: best-first, chain), one verified step at

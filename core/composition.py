@@ -35,7 +35,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from jetflow.core.contracts import CostShape, DraftContext, Drafter, DraftSession
+from jetflow.core.contracts import CountedSession, DraftContext, Drafter, DraftSession, RefinableSession
 from jetflow.core.errors import ConfigError
 from jetflow.core.tree import DraftTree
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -146,7 +146,7 @@ class ComposedSession:
         self._record = record
         depths = [s.max_depth for s in self.sessions]
         self.max_depth = None if None in depths else max(depths)
-        if any(getattr(s, "refine", None) is not None for s in self.sessions):
+        if any(isinstance(s, RefinableSession) for s in self.sessions):
             self.refine = self._refine  # the engine refines a session that offers it
 
     def _refine(self, tree: DraftTree) -> ComposedSession:
@@ -156,13 +156,13 @@ class ComposedSession:
         proposals are judged for the hit rate.
         """
         self._record.clear()
-        refined = [s.refine(tree) if getattr(s, "refine", None) is not None else s for s in self.sessions]
+        refined = [s.refine(tree) if isinstance(s, RefinableSession) else s for s in self.sessions]
         return ComposedSession(refined, self.weight, self._record)
 
     @property
     def forwards(self) -> int:
         """Head forwards this step (the engine records it), summed over both drafters."""
-        return sum(int(getattr(s, "forwards", 0)) for s in self.sessions)
+        return sum(s.forwards for s in self.sessions if isinstance(s, CountedSession))
 
     def _ask(self, session: DraftSession, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``session``'s children of ``nodes``; nothing at nodes as deep as it reaches."""
@@ -229,11 +229,6 @@ def _field(name: str) -> str:
     return name.replace("-", "_")
 
 
-def _cost_shape(parts: Sequence[type[Drafter]]) -> CostShape:
-    shapes = {part.cost_shape for part in parts}
-    return "per-depth" if "per-depth" in shapes else "parallel" if "parallel" in shapes else "free"
-
-
 @cache
 def compose(parts: tuple[type[Drafter], ...]) -> type[Drafter]:
     """The drafter class ``a+b`` of two drafter classes (one class per pair, so names compare).
@@ -256,6 +251,5 @@ def compose(parts: tuple[type[Drafter], ...]) -> type[Drafter]:
         "Params": params,
         "parts": tuple(parts),
         "default_tree_policy": parts[0].default_tree_policy,
-        "cost_shape": _cost_shape(parts),
     }
     return type(f"Composed_{'_'.join(map(_field, names))}", (ComposedDrafter,), attributes)

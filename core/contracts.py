@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 from jetflow.core.tree import DraftTree
@@ -63,6 +63,7 @@ class DraftContext:
             )
 
 
+@runtime_checkable
 class DraftSession(Protocol):
     """Answers next-token proposals for nodes of one step's tree."""
 
@@ -78,6 +79,7 @@ class DraftSession(Protocol):
         ...
 
 
+@runtime_checkable
 class DistributionSession(DraftSession, Protocol):
     """A session that can also give its full next-token distributions, so a policy can sample."""
 
@@ -89,6 +91,7 @@ class DistributionSession(DraftSession, Protocol):
         ...
 
 
+@runtime_checkable
 class RefinableSession(DraftSession, Protocol):
     """A session that can condition a second pass on the tree built from its first answers.
 
@@ -99,7 +102,11 @@ class RefinableSession(DraftSession, Protocol):
     def refine(self, tree: DraftTree) -> DraftSession: ...
 
 
-CostShape = Literal["parallel", "per-depth", "free"]
+@runtime_checkable
+class CountedSession(DraftSession, Protocol):
+    """A session that counts the drafter model forwards it ran this step (the engine records them)."""
+
+    forwards: int
 
 
 class Drafter(Plugin, ABC):
@@ -107,8 +114,6 @@ class Drafter(Plugin, ABC):
 
     #: tree policy used when the config names none
     default_tree_policy: ClassVar[str] = "best-first"
-    #: "parallel": one head forward per step; "per-depth": one per tree level; "free": no model
-    cost_shape: ClassVar[CostShape] = "free"
 
     def __init__(self, params: BaseModel, target: Target) -> None:
         self.params = params
@@ -126,6 +131,26 @@ class Drafter(Plugin, ABC):
 
     def reset(self) -> None:
         """Forget per-sequence state; called before each new prompt."""
+
+    # The target features of committed tokens, kept until the next ``begin`` asks: after a
+    # step at budget 0 (nothing drafted) they pile up, and the next context carries them all.
+    _committed: Tensor | None = None
+
+    def prefill(self, features: Tensor | None) -> None:
+        """A new sequence: the features of the prompt the target prefilled (all but its last token)."""
+        self._committed = features
+
+    def commit(self, features: Tensor | None, path: Tensor) -> None:
+        """Mirror of :meth:`Target.commit`: keep the features of the accepted ``path`` of a verify."""
+        if features is None:
+            return
+        kept = features[path]
+        self._committed = kept if self._committed is None else torch.cat([self._committed, kept])
+
+    def context(self, tokens: Tensor, n_processed: int) -> DraftContext:
+        """This step's context: the features committed since the last call (then forgotten)."""
+        features, self._committed = self._committed, None
+        return DraftContext(tokens, features, n_processed)
 
     @abstractmethod
     def begin(self, context: DraftContext) -> DraftSession:

@@ -16,7 +16,15 @@ from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration_record import CalibrationKey
 from jetflow.core.calibration_store import BudgetSource, resolve_budget
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
-from jetflow.core.contracts import DraftContext, Drafter, TreePolicy, TreeShape, Verifier
+from jetflow.core.contracts import (
+    CountedSession,
+    DraftContext,
+    Drafter,
+    RefinableSession,
+    TreePolicy,
+    TreeShape,
+    Verifier,
+)
 from jetflow.core.errors import ConfigError, TargetError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.registry import Registry, default_registry
@@ -111,15 +119,18 @@ class Engine:
                 f"{self.largest_budget} it needs {context_needed} positions, but the target's "
                 f"context window is {self.target.context_length}"
             )
-        generator = torch.Generator().manual_seed(self.config.seed)
+        device = self.target.device  # every tensor of the loop lives there, the generator too
+        generator = torch.Generator(device).manual_seed(self.config.seed)
         self.policy.reset(generator)  # one seeded generator per run: sampled trees and acceptance
         layers = self.drafter.feature_layers if self.drafting else ()
         if self.drafting:
             self.drafter.reset()
 
         start = time.perf_counter()
-        tokens = torch.tensor(ids, dtype=torch.long)
+        tokens = torch.tensor(ids, dtype=torch.long, device=device)
         cache, features = self.target.prefill(tokens[:-1], layers, capacity=context_needed)
+        if self.drafting:
+            self.drafter.prefill(features)
         new: list[int] = []
         steps: list[StepRecord] = []
         finish: FinishReason | None = None
@@ -128,15 +139,18 @@ class Engine:
             asked = self.drafting and budget > 0
             t0 = time.perf_counter()
             if asked:
-                context = DraftContext(tokens, features, cache.get_seq_length())
-                tree, forwards, nested = self._draft(context, budget)
+                tree, forwards, nested = self._draft(
+                    self.drafter.context(tokens, cache.get_seq_length()), budget
+                )
             else:
-                tree, forwards, nested = DraftTree.root(int(tokens[-1])), 0, True
+                tree, forwards, nested = DraftTree.root(tokens[-1]), 0, True
             t1 = time.perf_counter()
             n_cached = cache.get_seq_length()
             out = self.target.verify(cache, tree, layers)
             decision = self.verifier.accept(tree, out.logits, generator)
             self.target.commit(cache, n_cached, decision.path)
+            if self.drafting:  # after a step at budget 0 too: the next context carries both
+                self.drafter.commit(out.features, decision.path)
             t2 = time.perf_counter()
 
             if self.adaptive:
@@ -145,10 +159,7 @@ class Engine:
             steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards, budget))
             emitted, finish = self._truncate(new, emitted, limit)
             new.extend(emitted)
-            tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long)])
-            if out.features is not None:  # a step without drafting leaves its features for the next
-                fresh = out.features[decision.path]
-                features = fresh if asked or features is None else torch.cat([features, fresh])
+            tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long, device=device)])
         wall = time.perf_counter() - start
         return GenerationResult(
             prompt_ids=ids,
@@ -175,15 +186,16 @@ class Engine:
         from the refined session (e.g. JetFlow's path-conditioned refresh); the rebuilt tree
         is scored by the refined session and is not nested.
         """
-        root = DraftTree.root(int(context.tokens[-1]))
+        root = DraftTree.root(context.tokens[-1])
         shape = replace(self.shape, budget=budget)
         session = self.drafter.begin(context)
         tree = self.policy.build(session, root, shape)
-        refine = getattr(session, "refine", None)
-        if refine is not None:
-            session = refine(tree)
+        refined = isinstance(session, RefinableSession)
+        if refined:
+            session = session.refine(tree)
             tree = self.policy.build(session, root, shape)
-        return tree, int(getattr(session, "forwards", 0)), self.policy.nested and refine is None
+        forwards = session.forwards if isinstance(session, CountedSession) else 0
+        return tree, forwards, self.policy.nested and not refined
 
     def _truncate(
         self, done: list[int], emitted: list[int], limit: int

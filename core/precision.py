@@ -6,11 +6,13 @@ recent GPU); elsewhere it is emulated and slower than fp32, so ``auto`` falls ba
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 from typing import Literal
 
 import torch
+from jetflow.core.errors import ConfigError
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -21,8 +23,25 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+#: names the device a target loads on (``cuda``, ``cuda:1``, ``cpu``); unset: CUDA where torch sees it
+DEVICE_VARIABLE = "JETFLOW_DEVICE"
+
+
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``$JETFLOW_DEVICE`` if set (``make gpu-check`` sets ``cuda``), else CUDA if available, else the CPU."""
+    name = os.environ.get(DEVICE_VARIABLE, "").strip()
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{DEVICE_VARIABLE}={name!r} is not a torch device (try cuda or cpu)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{DEVICE_VARIABLE}={name} but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})"
+        )
+    return device
 
 
 def has_native_bf16(device: torch.device) -> bool:

@@ -6,6 +6,7 @@ best-first search equals "keep the top-``budget`` scores". Growing one level at 
 with a batched ``children`` call per level therefore finds the exact best-first tree,
 keeping at most ``frontier`` nodes per level (``budget`` for best-first, a small top-k for
 EAGLE-2's dynamic tree, 1 for a chain). Python loops only over levels, never over nodes.
+The tree lives on the root's device (the target's); a session's answers are moved there.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from jetflow.core.tree import DraftTree
 def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, frontier: int) -> DraftTree:
     """Grow ``root`` level by level and keep the ``shape.budget`` best drafted nodes."""
     tree = root
-    expand = torch.zeros(1, dtype=torch.long)
+    expand = torch.zeros(1, dtype=torch.long, device=root.device)
     max_depth = shape.max_depth if session.max_depth is None else min(shape.max_depth, session.max_depth)
     for _ in range(max_depth):
         tokens, logprobs = session.children(tree, expand, shape.width)  # [f, k] each
+        tokens, logprobs = tokens.to(tree.device), logprobs.to(tree.device)
         scores = (tree.scores[expand, None] + logprobs).flatten()
         n_valid = int(torch.isfinite(scores).sum())
         if n_valid == 0:
@@ -37,7 +39,7 @@ def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, fro
             tokens=tokens.flatten()[best],
             logprobs=logprobs.flatten()[best],
         )
-        expand = torch.arange(start, tree.size)
+        expand = torch.arange(start, tree.size, device=tree.device)
     return keep_best(tree, shape.budget)
 
 
@@ -50,6 +52,6 @@ def keep_best(tree: DraftTree, budget: int) -> DraftTree:
     if tree.draft_size <= budget:
         return tree
     order = torch.sort(tree.scores[1:], descending=True, stable=True).indices[:budget] + 1
-    keep = torch.zeros(tree.size, dtype=torch.bool)
+    keep = torch.zeros(tree.size, dtype=torch.bool, device=tree.device)
     keep[order] = True
     return tree.select(keep)

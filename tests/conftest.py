@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from jetflow.core.precision import DEVICE_VARIABLE, default_device
 from jetflow.core.target import Target
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -73,7 +74,9 @@ def make_tiny_target(architecture: str = "llama", seed: int = 0) -> Target:
         model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = 0
-    return Target(model, tiny_tokenizer(), f"tiny-{architecture}")
+    # the CPU, unless JETFLOW_DEVICE names another device (`make gpu-check` runs these on CUDA)
+    device = default_device() if os.environ.get(DEVICE_VARIABLE) else torch.device("cpu")
+    return Target(model.to(device), tiny_tokenizer(), f"tiny-{architecture}")
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))

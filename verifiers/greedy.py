@@ -14,14 +14,15 @@ class Greedy(Verifier):
     description = "exact match with the target's argmax; output equals plain greedy decoding"
 
     def accept(self, tree: DraftTree, logits: Tensor, generator: torch.Generator) -> Acceptance:
-        target_tokens = logits.argmax(dim=-1)  # [n]
+        target_tokens = logits.argmax(dim=-1).to(tree.device)  # [n]; no copy when both share a device
         matches = tree.tokens == target_tokens[tree.parents.clamp(min=0)]
         matches[0] = True
         # A node is accepted when it and all its ancestors match.
         accepted = ~(tree.ancestor_mask & ~matches[None, :]).any(dim=1)
         # Siblings carry distinct tokens, so at most one node per depth is accepted.
-        deepest = int(torch.where(accepted, tree.depths, -1).argmax())
-        return Acceptance(path=tree.path(deepest), next_token=int(target_tokens[deepest]))
+        deepest = torch.where(accepted, tree.depths, -1).argmax()
+        path = torch.nonzero(tree.ancestor_mask[deepest]).flatten()  # ordered by depth
+        return Acceptance(path=path, next_token=int(target_tokens[deepest]))  # a host read per step
 
 
 @hookimpl

@@ -40,7 +40,7 @@ class EagleParams(BaseModel):
         None, description="checkpoint folder; default: the head shipped for the target"
     )
     max_depth: int | None = Field(
-        None, ge=1, description="deepest draft level (one head forward each); None: the tree's max_depth"
+        None, ge=1, description="deepest draft level (one head forward each); None: the trained depth"
     )
 
 
@@ -139,7 +139,6 @@ class EagleDrafter(LearnedDrafter):
     description = "EAGLE-3-style autoregressive head: one forward per tree level, path-conditioned"
     Params = EagleParams
     default_tree_policy = "eagle-dynamic"
-    cost_shape = "per-depth"
 
     @classmethod
     def head_from_architecture(cls, architecture: dict[str, Any]) -> EagleHead:
@@ -166,7 +165,8 @@ class EagleDrafter(LearnedDrafter):
             embeds = self.shared.embed(next_tokens.to(self.head.device))
             self._cache = self.head.extend(self._cache, context.features, embeds)
         context.check_in_step(self._cache.length, self.name)
-        return EagleSession(self.head, self.lm, self.shared, self._cache, self.params.max_depth)
+        depth = self.params.max_depth or self.head.max_depth  # no deeper than trained unless asked
+        return EagleSession(self.head, self.lm, self.shared, self._cache, depth)
 
 
 @hookimpl

@@ -30,7 +30,10 @@ def _reference(target: Target, prompt: list[int], max_new_tokens: int, eos: bool
     kwargs = {} if eos else {"eos_token_id": None}
     with torch.inference_mode():
         out = target.model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+            torch.tensor([prompt], device=target.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kwargs,
         )
     return out[0, len(prompt) :].tolist()
 

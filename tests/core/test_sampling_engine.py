@@ -111,7 +111,10 @@ def _registered():
 def _greedy(target: Target, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = target.model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+            torch.tensor([prompt], device=target.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
         )
     return out[0, len(prompt) :].tolist()
 

@@ -143,15 +143,15 @@ class AcceptWithP(Sampling):
     """Wrong: accepts a sampled child with probability p(x) instead of min(1, p(x) / q(x))."""
 
     @staticmethod
-    def accept_probability(p_x: Tensor, q_x: Tensor) -> float:
-        return float(p_x)
+    def accept_probability(p_x: Tensor, q_x: Tensor) -> Tensor:
+        return p_x
 
 
 class DraftNotUpdated(Sampling):
     """Wrong: tests every sibling against the original q, as if siblings were drawn with replacement."""
 
     @staticmethod
-    def without(q: Tensor, token: int) -> Tensor:
+    def without(q: Tensor, token: Tensor) -> Tensor:
         return q
 
 

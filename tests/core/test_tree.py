@@ -62,3 +62,33 @@ def test_select_keeps_ancestors_and_remaps_parents() -> None:
 def test_parents_must_be_topological() -> None:
     with pytest.raises(ValueError):
         DraftTree(tokens=torch.tensor([1, 2, 3]), parents=torch.tensor([-1, 2, 0]), scores=torch.zeros(3))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=5), min_size=1, max_size=6))
+def test_extend_carries_the_mask_and_depths_a_fresh_tree_derives(levels: list[list[int]]) -> None:
+    """Growing level by level (as policies do) gives the mask and depths of the same tree built whole."""
+    tree = DraftTree.root(torch.tensor(3))
+    for level in levels:
+        parents = torch.tensor([choice % tree.size for choice in level])
+        tree = tree.extend(parents, torch.tensor(level) + 2, -torch.rand(len(level)))
+    fresh = DraftTree(tokens=tree.tokens, parents=tree.parents, scores=tree.scores)
+    assert torch.equal(tree.ancestor_mask, fresh.ancestor_mask)
+    assert torch.equal(tree.depths, fresh.depths)
+    keep = torch.rand(tree.size) < 0.5
+    keep = (fresh.ancestor_mask & ~keep[None, :]).any(dim=1).logical_not()  # closed under ancestors
+    sub = tree.select(keep)
+    rebuilt = DraftTree(tokens=sub.tokens, parents=sub.parents, scores=sub.scores)
+    assert torch.equal(sub.ancestor_mask, rebuilt.ancestor_mask)
+    assert torch.equal(sub.depths, rebuilt.depths)
+
+
+def test_extend_refuses_a_parent_past_the_tree() -> None:
+    with pytest.raises(IndexError):
+        DraftTree.root(1).extend(torch.tensor([1]), torch.tensor([2]), torch.tensor([-0.5]))
+
+
+def test_a_root_from_a_tensor_stays_on_its_device() -> None:
+    tree = DraftTree.root(torch.tensor([4, 5])[-1])
+    assert tree.tokens.tolist() == [5] and tree.device == torch.device("cpu")
+    assert tree.ancestor_mask.tolist() == [[True]] and tree.depths.tolist() == [0]

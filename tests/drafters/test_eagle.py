@@ -82,7 +82,6 @@ def test_drafter_and_policy_are_installed_plugins() -> None:
     registry = default_registry()
     assert registry.get("drafter", "eagle") is EagleDrafter
     assert registry.get("tree_policy", "eagle-dynamic") is EagleDynamic
-    assert EagleDrafter.cost_shape == "per-depth"
 
 
 def test_the_recipe_trains_on_the_same_tokens_as_jetflows() -> None:

@@ -25,7 +25,8 @@ def cases(real_target: Target) -> list[tuple[str, list[int], list[int]]]:
     for sample in samples:
         ids = real_target.encode_prompt(sample.messages())
         with torch.inference_mode():
-            out = real_target.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            prompt = torch.tensor([ids], device=real_target.device)
+            out = real_target.model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
         found.append((sample.id, ids, out[0, len(ids) :].tolist()))
     return found
 

@@ -43,9 +43,9 @@ class NgramSession:
         cont, width = self.continuations, self.continuations.shape[1]
         depths = tree.depths[nodes]  # [f]
         paths = tree.path_tokens[nodes]  # [f, tree depth]
-        columns = torch.arange(width)
+        columns = torch.arange(width, device=cont.device)
         # A continuation follows a node when its first `depth` tokens equal the node's path.
-        padded = torch.full((len(nodes), width), -1, dtype=torch.long)
+        padded = torch.full((len(nodes), width), -1, dtype=torch.long, device=cont.device)
         shared = min(width, paths.shape[1])
         padded[:, :shared] = paths[:, :shared]
         on_path = columns[None, :] < depths[:, None]  # [f, width]
@@ -56,7 +56,7 @@ class NgramSession:
         # Weight of each distinct next token, credited to its first occurrence only.
         same = (next_tokens[:, :, None] == next_tokens[:, None, :]) & valid[:, None, :]
         votes = (same * self.weights[None, None, :]).sum(dim=2)
-        earlier = torch.tril(torch.ones(same.shape[1:], dtype=torch.bool), diagonal=-1)
+        earlier = torch.tril(torch.ones(same.shape[1:], dtype=torch.bool, device=cont.device), diagonal=-1)
         first = valid & ~(same & earlier[None]).any(dim=2)
         total = (valid * self.weights[None, :]).sum(dim=1, keepdim=True).clamp(min=1e-9)
         logprobs = torch.where(first, torch.log(votes / total), float("-inf"))
@@ -73,15 +73,14 @@ class NgramDrafter(Drafter):
     description = "training-free prompt lookup; trees from several n-gram matches in the context"
     Params = NgramParams
     default_tree_policy = "best-first"
-    cost_shape = "free"
 
     def begin(self, context: DraftContext) -> NgramSession:
         params: NgramParams = self.params
         tokens = context.tokens
         starts, weights = self._match_starts(tokens, params)
         depth = params.max_continuation
-        padded = torch.cat([tokens, torch.full((depth,), -1, dtype=torch.long)])
-        continuations = padded[starts[:, None] + torch.arange(depth)[None, :]]
+        padded = torch.cat([tokens, tokens.new_full((depth,), -1)])
+        continuations = padded[starts[:, None] + torch.arange(depth, device=tokens.device)[None, :]]
         return NgramSession(continuations, weights)
 
     @staticmethod
@@ -97,12 +96,12 @@ class NgramDrafter(Drafter):
             found_starts.append(hits + n)
             found_n.append(torch.full_like(hits, n))
         if not found_starts:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0)
+            return tokens.new_zeros(0), torch.zeros(0, device=tokens.device)
         starts, lengths = torch.cat(found_starts), torch.cat(found_n)
         # A position matched by a long n-gram also matches every shorter one: keep it once.
         unique_starts, inverse = torch.unique(starts, return_inverse=True)
         first = torch.full_like(unique_starts, starts.shape[0]).scatter_reduce(
-            0, inverse, torch.arange(starts.shape[0]), reduce="amin"
+            0, inverse, torch.arange(starts.shape[0], device=starts.device), reduce="amin"
         )
         keep = torch.sort(first).values[: params.max_matches]
         return starts[keep], lengths[keep].float()
