@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
+from jetflow.core.calibration import ensure_calibration
 from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_toml, merge
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
@@ -27,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--budget",
         help="drafted tree nodes per step, or 'auto': start from the budget `jetflow calibrate` chose "
-        "and re-choose it every step from the acceptance seen (default: auto when calibrated, else 16)",
+        "and re-choose it every step from the acceptance seen (default: auto, the first run on a "
+        "machine measuring a short calibration)",
     )
     parser.add_argument(
         "--no-adapt",
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = config_from_args(args)
     target = Target.load(config.target, resolve_dtype(config.dtype))
+    ensure_calibration(config, target, announce=lambda line: print(line, file=sys.stderr))
     engine = Engine(config, target)
     result = engine.generate(args.prompt)
     baseline = None

@@ -89,6 +89,7 @@ __all__ = [
     "calibration_path",
     "choose_budget",
     "engine_at",
+    "ensure_calibration",
     "expected_tokens_per_s",
     "interpolate_latency",
     "key_for",
@@ -104,6 +105,8 @@ __all__ = [
 DEFAULT_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: tree sizes (root included) whose verify latency is measured; others are interpolated
 DEFAULT_TREE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: the budgets a first-use calibration measures (``jetflow calibrate`` searches all of DEFAULT_BUDGETS)
+FIRST_USE_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 #: Calibration prompts: short, varied (code, arithmetic, explanation, rewriting, data formats)
 #: and written for this module, so no benchmark (CHAMP, HumanEval, MT-Bench) or training
@@ -130,6 +133,54 @@ def engine_at(
     """An engine for ``config`` at a fixed ``budget`` (so it never looks for a calibration)."""
     tree = config.tree.model_copy(update={"budget": budget})
     return Engine(config.model_copy(update={"tree": tree}), target, registry)
+
+
+def ensure_calibration(
+    config: GenerateConfig,
+    target: Target,
+    registry: Registry | None = None,
+    progress: bool = True,
+    announce: Callable[[str], object] | None = None,
+) -> Calibration | None:
+    """The cached calibration of ``config`` on ``target``; measured now and cached if there is none.
+
+    Without a calibration an engine cannot know whether a tree pays on this machine (on a
+    processor without fast bf16 even a few nodes may cost more than they accept), so a run
+    whose budget is left to jetflow measures once, on first use: a shorter calibration than
+    ``jetflow calibrate`` (fewer prompts and tokens, budgets up to :data:`FIRST_USE_BUDGETS`),
+    whose choice includes budget 0, plain decoding. Later runs read it from the cache and the
+    adaptive budget corrects tau online. ``announce`` gets one line saying what happens.
+    Returns None where the budget is not left to jetflow: no drafter, a fixed budget, or an
+    explicit ``auto`` (which asks for the calibration ``jetflow calibrate`` made, and says so).
+    """
+    if not config.uses_drafter or config.tree.budget is not None:
+        return None
+    key = key_for(config, target, registry)
+    try:
+        cached = load_calibration(key)
+    except ConfigError as error:  # stale or corrupt: measure again, the new record replaces it
+        log.warning("remeasuring: %s", error)
+        cached = None
+    if cached is not None:
+        return cached
+    if announce is not None:
+        announce(
+            f"jetflow: first use of {key.drafter} on this machine: measuring once which tree budget "
+            f"pays here (cached; `{calibrate_command(key, config.target)}` measures more)"
+        )
+    calibration = calibrate(
+        config,
+        target,
+        prompts=CALIBRATION_PROMPTS[:2],
+        budgets=FIRST_USE_BUDGETS,
+        max_new_tokens=32,
+        repeats=3,
+        warmup=1,
+        registry=registry,
+        progress=progress,
+    )
+    save_calibration(calibration)
+    return calibration
 
 
 def key_for(config: GenerateConfig, target: Target, registry: Registry | None = None) -> CalibrationKey:
@@ -164,7 +215,7 @@ def measure_verify_latency(
     then see the same. ``on_measure`` is called after every forward.
     """
     context = torch.tensor(list(context_ids), dtype=torch.long)
-    cache, _ = target.prefill(context[:-1])
+    cache, _ = target.prefill(context[:-1], capacity=len(context) + max(sizes))  # the engine's slab
     n_cached = cache.get_seq_length()
     generator = torch.Generator().manual_seed(0)
     times: dict[int, list[float]] = {size: [] for size in sizes}

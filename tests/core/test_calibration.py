@@ -276,3 +276,25 @@ def test_predictions_within_the_tolerance_count_as_equal_and_the_smaller_budget_
     assert cal.choose_budget(budgets, speeds, tolerance=cal.CHOICE_TOLERANCE) == 0
     assert cal.choose_budget([0, 64, 128], [10.0, 30.0, 31.0], tolerance=0.05) == 64
     assert cal.choose_budget([0, 64, 128], [10.0, 28.0, 31.0], tolerance=0.05) == 128
+
+
+# ---------------------------------------------------------------------- first use
+def test_first_use_measures_once_caches_and_the_engine_then_adapts(tiny_llama: Target) -> None:
+    config = _config(max_new_tokens=8)
+    lines: list[str] = []
+    first = cal.ensure_calibration(config, tiny_llama, progress=False, announce=lines.append)
+    assert first is not None and len(lines) == 1 and "first use" in lines[0]
+    assert {p.budget for p in first.points} >= {0, 1}  # plain decoding is always a candidate
+    assert max(p.budget for p in first.points) <= max(cal.FIRST_USE_BUDGETS)
+    assert cal.calibration_path(first.key).is_file()
+    again = cal.ensure_calibration(config, tiny_llama, progress=False, announce=lines.append)
+    assert again == first and len(lines) == 1  # read from the cache, nothing announced
+    engine = Engine(config, tiny_llama)
+    assert engine.budget_source == "adaptive" and engine.adaptive is not None
+
+
+def test_first_use_leaves_fixed_budgets_and_plain_decoding_alone(tiny_llama: Target) -> None:
+    lines: list[str] = []
+    for config in (_config(tree={"budget": 4}), _config(drafter="none")):
+        assert cal.ensure_calibration(config, tiny_llama, progress=False, announce=lines.append) is None
+    assert lines == []
