@@ -121,6 +121,7 @@ class BenchConfig(_Frozen):
         "temperature (the `sampling` verifier, seeded by `seed`)",
     )
     seed: int = 0
+    compile: bool = Field(False, description="jetflow's methods verify through the compiled target")
     vllm: bool = Field(
         False, description="also run vllm, vllm-ngram and vllm-<drafter> (exported heads) in .venv-vllm"
     )

@@ -63,7 +63,8 @@ class LosslessChecker:
     def __init__(self, target: Target, tie_tolerance: float) -> None:
         self.target = target
         self.tie_tolerance = tie_tolerance
-        self.exact = target.dtype == torch.float32
+        # compiled kernels round differently per tree size, so even fp32 is classified there
+        self.exact = target.dtype == torch.float32 and target.compiled is None
 
     def check(
         self,

@@ -46,6 +46,7 @@ def build_methods(config: BenchConfig, target: Target, registry: Registry | None
 
     def engine(drafter: str, tree=None, params=None) -> Engine:
         fields = {"target": config.target, "dtype": config.dtype, "drafter": drafter, "seed": config.seed}
+        fields["compile"] = config.compile
         fields |= config.verifier_fields()
         if tree is not None:
             fields.update(tree=tree, drafter_params=params or {})

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jetflow.cli._options import add_compile_flag
+
 if TYPE_CHECKING:
     from jetflow.bench.config import BenchConfig
 
@@ -20,7 +22,7 @@ EXIT_NOT_LOSSLESS = 1
 #: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
 _CONFIG_FLAGS = (
     *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
-    *("dtype", "target", "threads", "temperature", "seed", "out", "vllm"),
+    *("dtype", "target", "threads", "temperature", "seed", "out", "vllm", "compile"),
 )
 
 
@@ -54,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="0 (default): greedy, checked against ar; > 0: every method samples at this temperature",
     )
     parser.add_argument("--seed", type=int, help="seed of the sampling runs (default 0)")
+    add_compile_flag(parser)
     parser.add_argument("--out", help="output folder (default results/)")
     parser.add_argument(
         "--vllm",
@@ -91,6 +94,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
         words += ["--temperature", str(config.temperature), "--seed", str(config.seed)]
     if config.vllm:
         words.append("--vllm")
+    if config.compile:
+        words.append("--compile")
     return shlex.join(words)
 
 

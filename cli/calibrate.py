@@ -12,6 +12,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from jetflow.cli._options import add_compile_flag
 from jetflow.core.config import GenerateConfig, build_config, load_toml, merge
 from jetflow.core.errors import ConfigError
 
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt and budget (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="timed verify forwards per tree size")
     parser.add_argument("--threads", type=int, help="torch CPU threads (part of the calibration's key)")
+    add_compile_flag(parser)
     parser.add_argument(
         "--all-budgets", action="store_true", help="measure every budget, even past the peak speed"
     )
@@ -64,7 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> GenerateConfig:
     base = load_toml(args.config) if args.config else {}
     tree = {"policy": args.tree_policy, "width": args.width, "max_depth": args.max_depth}
-    flags: dict[str, Any] = {"target": args.target, "dtype": args.dtype, "drafter": args.drafter}
+    flags: dict[str, Any] = {
+        "target": args.target,
+        "dtype": args.dtype,
+        "drafter": args.drafter,
+        "compile": args.compile,
+    }
     overrides = {key: value for key, value in flags.items() if value is not None}
     tree = {key: value for key, value in tree.items() if value is not None}
     if tree:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import torch
+from jetflow.cli._options import add_compile_flag
 from jetflow.core.calibration import ensure_calibration
 from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_toml, merge
 from jetflow.core.engine import Engine
@@ -51,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads (calibrations are kept per thread count)"
     )
+    add_compile_flag(parser)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--compare", action="store_true", help="also run the autoregressive baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -80,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
         "stop": tuple(args.stop) if args.stop else None,
         "seed": args.seed,
         "chat_template": False if args.raw else None,
+        "compile": args.compile,
     }
     overrides = {key: value for key, value in flags.items() if value is not None}
     sampling = {

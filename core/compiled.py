@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: row counts a graph is compiled for; a tree runs in the smallest bucket that holds it
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 4, 8, 16, 32)
+#: the upper bound of the symbolic history length (dynamo needs one; no context is this long)
+_LONGEST = 1 << 24
 
 
 def inductor_cache_dir() -> Path:
@@ -55,22 +57,24 @@ def _use_jetflow_caches() -> None:
 
 
 class _SlabWindow:
-    """The cache the model sees inside a compiled graph: per layer, the filled slab ``[:L]``.
+    """The cache the model sees inside a compiled graph: per layer, the slab's first ``L`` positions.
 
-    ``L`` (the history plus this forward's rows) is the mask's last dimension and symbolic; the
-    new rows' keys and values are written at ``L - rows .. L`` in place.
+    ``L`` (the history plus this forward's rows) is the mask's last dimension; the new rows' keys
+    and values are written at ``L - rows .. L`` in place. The whole slab is the graph's input
+    (its capacity symbolic like ``L``): a view of it would carry the capacity in its strides,
+    which dynamo guards on, and every new capacity would compile again.
     """
 
     is_compileable = True
 
-    def __init__(self, keys: Sequence[Tensor], values: Sequence[Tensor], start) -> None:
-        self.keys, self.values, self.start = keys, values, start
+    def __init__(self, keys: Sequence[Tensor], values: Sequence[Tensor], start, stop) -> None:
+        self.keys, self.values, self.start, self.stop = keys, values, start, stop
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[:, :, self.start :] = key_states
-        values[:, :, self.start :] = value_states
-        return keys, values
+        keys[:, :, self.start : self.stop] = key_states
+        values[:, :, self.start : self.stop] = value_states
+        return keys[:, :, : self.stop], values[:, :, : self.stop]
 
     def get_seq_length(self, layer_idx: int = 0):
         return self.start
@@ -116,16 +120,23 @@ class CompiledForward:
             if self.autotune:
                 inductor.max_autotune = True
                 inductor.max_autotune_gemm_backends = "CPP,ATEN"
+            # transformers installs its hidden-state capturing hooks on the first forward that asks
+            # for them, under a lock dynamo cannot trace: one eager token installs them beforehand
+            self.model(
+                input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device),
+                output_hidden_states=True,
+            )
             self._compiled = torch.compile(self._forward, dynamic=False, fullgraph=True)
         return self._compiled
 
     def _forward(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, keys, values):
-        start = mask.shape[-1] - input_ids.shape[1]
+        stop = mask.shape[-1]
+        start = stop - input_ids.shape[1]
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=_SlabWindow(keys, values, start),
+            cache=_SlabWindow(keys, values, start, stop),
             use_cache=True,
             output_hidden_states=True,
         )
@@ -159,12 +170,13 @@ class CompiledForward:
         )
         mask = mask[None, None]
         for layer in layers:
-            layer.reserve(length)
-        keys = [layer.key_slab[:, :, :length] for layer in layers]
-        values = [layer.value_slab[:, :, :length] for layer in layers]
-        torch._dynamo.mark_dynamic(mask, 3, min=rows + 1)
+            layer.reserve(length + 1)  # never exactly full: capacity == L would be specialised on
+        keys = [layer.key_slab for layer in layers]
+        values = [layer.value_slab for layer in layers]
+        bounds = {"min": rows + 1, "max": _LONGEST}
+        torch._dynamo.mark_dynamic(mask, 3, **bounds)
         for slab in (*keys, *values):
-            torch._dynamo.mark_dynamic(slab, 2, min=rows + 1)
+            torch._dynamo.mark_dynamic(slab, 2, **bounds)
         first = rows not in self.compile_s
         started = time.perf_counter()
         logits, hidden = self._graph()(tokens[None], positions[None], mask, keys, values)

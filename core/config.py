@@ -90,6 +90,12 @@ class GenerateConfig(_Frozen):
     stop_at_eos: bool = True
     chat_template: bool = True
     seed: int = 0
+    compile: bool = Field(
+        False,
+        description="verify through the target compiled by inductor (one graph per tree-size bucket, "
+        "compiled on first use, cached on disk); off: the eager forward, exactly equal to "
+        "transformers.generate in fp32",
+    )
 
     @model_validator(mode="after")
     def _check_plugins(self) -> GenerateConfig:

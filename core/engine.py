@@ -15,6 +15,7 @@ import torch
 from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration_record import CalibrationKey
 from jetflow.core.calibration_store import BudgetSource, resolve_budget
+from jetflow.core.compiled import CompiledForward
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import (
     CountedSession,
@@ -46,6 +47,8 @@ class Engine:
     ) -> None:
         registry = registry or default_registry()
         self.target = target or Target.load(config.target, resolve_dtype(config.dtype))
+        if config.compile and self.target.compiled is None:  # shared by every engine on this target
+            self.target.use_compiled(CompiledForward(self.target.model))
         config = config.with_available_drafter(self.target, registry)
         self.config = config
         self.drafter: Drafter | None = None

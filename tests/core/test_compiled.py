@@ -1,0 +1,70 @@
+"""The compiled verify forward on a tiny random target (one bucket, no autotuning: CI-sized).
+
+It must agree with the eager forward at every node (padding rows invisible), leave the slab as
+a prefill of the accepted path would, compile once for every history length and capacity, and
+the engine on it must decode what plain greedy decoding does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jetflow.core.compiled import CompiledForward
+from jetflow.core.config import GenerateConfig, build_config
+from jetflow.core.engine import Engine
+from jetflow.core.target import Target
+from jetflow.core.tree import DraftTree
+
+from ..conftest import make_tiny_target
+
+ATOL = 1e-4
+BUCKET = 4
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(tmp_path_factory) -> Target:
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    target = make_tiny_target("llama", seed=3)
+    target.use_compiled(CompiledForward(target.model, buckets=(BUCKET,), autotune=False))
+    yield target
+    monkeypatch.undo()
+
+
+def _eager(target: Target):
+    eager = make_tiny_target("llama", seed=3)
+    assert torch.equal(eager.model.lm_head.weight, target.model.lm_head.weight)
+    return eager
+
+
+def test_compiled_verify_and_commit_match_the_eager_forward(compiled_llama: Target) -> None:
+    eager = _eager(compiled_llama)
+    tree = DraftTree(tokens=torch.tensor([4, 8, 9]), parents=torch.tensor([-1, 0, 0]), scores=torch.zeros(3))
+    prefix = [5, 9, 13, 7, 3, 22, 40, 41]
+    for cut, capacity in ((4, 6), (5, 64), (7, 9)):  # new history lengths and slab capacities
+        cache, _ = compiled_llama.prefill(torch.tensor(prefix[:cut]), capacity=capacity)
+        out = compiled_llama.verify(cache, tree, layers=(1, 3))
+        reference_cache, _ = eager.prefill(torch.tensor(prefix[:cut]))
+        reference = eager.verify(reference_cache, tree, layers=(1, 3))
+        torch.testing.assert_close(out.logits, reference.logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.features, reference.features, atol=ATOL, rtol=0)
+        path = tree.path(2)
+        compiled_llama.commit(cache, cut, path)
+        expected, _ = eager.prefill(torch.tensor(prefix[:cut] + tree.tokens[path].tolist()))
+        for layer, kept in zip(cache.layers, expected.layers, strict=True):
+            torch.testing.assert_close(layer.keys, kept.keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(layer.values, kept.values, atol=ATOL, rtol=0)
+    assert list(compiled_llama.compiled.compile_s) == [BUCKET]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1 + 1  # one graph per bucket
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_engine_on_the_compiled_target_decodes_greedily(compiled_llama: Target, drafter: str) -> None:
+    prompt = [7, 8, 9, 10, 11] * 3 + [7]
+    with torch.inference_mode():
+        out = compiled_llama.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+    fields = {"drafter": drafter, "max_new_tokens": 24}
+    if drafter != "none":
+        fields["tree"] = {"policy": "chain", "budget": BUCKET - 1}  # every tree fits the bucket
+    result = Engine(build_config(GenerateConfig, fields), compiled_llama).generate(prompt)
+    assert result.token_ids == out[0, len(prompt) :].tolist()
