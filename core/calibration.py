@@ -214,10 +214,10 @@ def measure_verify_latency(
     blocking can make a larger tree verify faster than a smaller one, and the engine's steps
     then see the same. ``on_measure`` is called after every forward.
     """
-    context = torch.tensor(list(context_ids), dtype=torch.long)
+    context = torch.tensor(list(context_ids), dtype=torch.long, device=target.device)  # as the engine
     cache, _ = target.prefill(context[:-1], capacity=len(context) + max(sizes))  # the engine's slab
     n_cached = cache.get_seq_length()
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(target.device).manual_seed(0)
     times: dict[int, list[float]] = {size: [] for size in sizes}
     for round_index in range(warmup + repeats):
         order = sizes if round_index % 2 == 0 else sizes[::-1]
@@ -352,11 +352,11 @@ def _measure_budget(
 # ---------------------------------------------------------------------- helpers
 def _verify_tree(context: torch.Tensor, size: int, width: int) -> DraftTree:
     """A complete ``width``-ary tree of ``size`` nodes (parents by index arithmetic)."""
-    index = torch.arange(size)
+    index = torch.arange(size, device=context.device)
     parents = torch.where(index == 0, -1, (index - 1) // max(width, 1))
     tokens = context[index % context.shape[0]].clone()
     tokens[0] = context[-1]
-    return DraftTree(tokens=tokens, parents=parents, scores=torch.zeros(size))
+    return DraftTree(tokens=tokens, parents=parents, scores=torch.zeros(size, device=context.device))
 
 
 def _synchronize(device: torch.device) -> None:
