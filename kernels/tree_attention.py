@@ -176,10 +176,14 @@ def _block_m(n_nodes: int) -> int:
     return min(64, max(16, triton.next_power_of_2(n_nodes)))
 
 
-def _block_n(block_m: int, block_d: int) -> int:
-    """Keys per block: 64, or 32 for the largest tiles (64 rows of head dim 128), where sm_90
-    code at 64 keys spills registers (seen compiling for sm_90; 128 keys spill at any size)."""
-    return 32 if block_m * block_d >= 64 * 128 else 64
+def default_tiling(block_m: int, block_d: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Keys per block and warps per program, chosen so that sm_90 code spills no registers
+    (checked by compiling for sm_90 without a GPU): 16-bit inputs take 64 keys (32 for the largest
+    tile, 64 rows of head dim 128; 128 keys spill at every size), fp32 inputs, whose exact dots
+    run on the FMA units, take 16."""
+    if dtype == torch.float32:
+        return 16, 4
+    return (32 if block_m * block_d >= 64 * 128 else 64), (4 if block_d <= 64 else 8)
 
 
 def tree_attention(
@@ -203,8 +207,9 @@ def tree_attention(
         mask: ``[1 or batch, 1, n, 1 + ceil(n / 32)]`` int32 from
             :func:`jetflow.kernels.tree_mask.tree_mask` (prefix length, then ancestor bits).
         scale: softmax scale, ``head_dim ** -0.5`` by default.
-        block_m, block_n, num_warps, num_stages: tiling (the tests use small blocks to cross
-            block edges on tiny shapes; a benchmark may sweep them).
+        block_m, block_n, num_warps, num_stages: tiling, by default :func:`_block_m` and
+            :func:`default_tiling` (the tests use small blocks to cross block edges on tiny
+            shapes; the benchmark sweeps them).
 
     Returns:
         ``[batch, n, heads, head_dim]`` in the query's dtype (the layout transformers'
@@ -218,7 +223,7 @@ def tree_attention(
     out = torch.empty(batch, n, heads, head_dim, dtype=query.dtype, device=query.device)
     block_m = block_m or _block_m(n)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = block_n or _block_n(block_m, block_d)
+    default_n, default_warps = default_tiling(block_m, block_d, query.dtype)
     log2e = 1.4426950408889634
     qk_scale = (scale if scale is not None else head_dim**-0.5) * log2e
     grid = (triton.cdiv(n, block_m), batch * heads)
@@ -248,14 +253,14 @@ def tree_attention(
         head_dim,
         qk_scale,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=block_n or default_n,
         BLOCK_D=block_d,
         # The interpreter multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
         # (triton 3.9), so it computes bf16 dots in fp32; compiled kernels use bf16 tensor cores.
         DOT_FP32=INTERPRETED and query.dtype == torch.bfloat16,
         # fp32 inputs multiply exactly like SDPA's fp32 matmuls (no tf32); 16-bit ones ignore it
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or (4 if block_d <= 64 else 8),
+        num_warps=num_warps or default_warps,
         num_stages=num_stages,
         enable_fp_fusion=True,  # multiply-adds fused, as triton has defaulted to so far
     )

@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.compiled
 
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CASES = [  # (dtype, head_dim, nodes): the largest tile (tensor cores), the smallest (exact fp32)
     ("bf16", 128, 256),
     ("fp32", 64, 16),
@@ -35,9 +37,10 @@ def test_kernel_compiles_for_sm90(dtype, head_dim, nodes, tmp_path, monkeypatch)
     fn = kernels._tree_attention_kernel
     block_m = kernels._block_m(nodes)
     block_d = triton.next_power_of_2(head_dim)
+    block_n, warps = kernels.default_tiling(block_m, block_d, getattr(torch, TORCH_DTYPES[dtype]))
     constants = {
         "BLOCK_M": block_m,
-        "BLOCK_N": kernels._block_n(block_m, block_d),
+        "BLOCK_N": block_n,
         "BLOCK_D": block_d,
         "DOT_FP32": False,
         "PRECISION": "ieee" if dtype == "fp32" else "tf32",
@@ -48,7 +51,7 @@ def test_kernel_compiles_for_sm90(dtype, head_dim, nodes, tmp_path, monkeypatch)
     compiled = triton.compile(
         ASTSource(fn, signature, constants),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 4 if block_d <= 64 else 8, "num_stages": 2, "enable_fp_fusion": True},
+        options={"num_warps": warps, "num_stages": 2, "enable_fp_fusion": True},
     )
     assert compiled.asm["cubin"]
     # 16-bit inputs multiply on tensor cores; fp32 ones exactly (ieee), on the FMA units
