@@ -144,9 +144,8 @@ def accepted_within(tree: DraftTree, path: torch.Tensor, budgets: np.ndarray) ->
     nested policy is exactly the nodes of rank ``<= b``.
     """
     order = torch.sort(tree.scores[1:], descending=True, stable=True).indices
-    rank = torch.empty(tree.size, dtype=torch.long)
-    rank[0] = 0
-    rank[order + 1] = torch.arange(1, tree.size)
-    path_ranks = rank[path[1:]].numpy()
+    rank = torch.zeros(tree.size, dtype=torch.long, device=tree.device)
+    rank[order + 1] = torch.arange(1, tree.size, device=tree.device)
+    path_ranks = rank[path[1:]].cpu().numpy()  # one host read per step
     inside = path_ranks[None, :] <= budgets[:, None]  # [candidates, accepted]
     return np.cumprod(inside, axis=1).sum(axis=1).astype(float)

@@ -115,6 +115,27 @@ def test_no_hot_path_tensor_is_made_off_the_target_device(
     assert sum(step.tree_size for step in result.steps) > len(result.steps) or drafter == "none"
 
 
+def test_an_adaptive_budget_makes_nothing_off_the_device(tiny_llama: Target, monkeypatch, tmp_path) -> None:
+    """The adaptive budget's observation of each step (ranks of the accepted path) included."""
+    from jetflow.core import calibration as cal
+
+    from tests.core.test_adaptive import calibration_record
+
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+    config = build_config(
+        GenerateConfig, {"drafter": "test-formula", "max_new_tokens": 16, "stop_at_eos": False}
+    )
+    key = cal.key_for(config, tiny_llama)
+    cal.save_calibration(calibration_record(key, {0: 1.0, 2: 1.6, 6: 2.0}, {0: 10.0, 2: 11.0, 6: 12.0}))
+    engine = Engine(config, tiny_llama)
+    assert engine.adaptive is not None
+    expected = engine.generate(PROMPT)
+    engine = Engine(config, tiny_llama)  # the controller starts afresh
+    with torch.device("meta"):
+        result = engine.generate(PROMPT)
+    assert result.token_ids == expected.token_ids and max(step.budget for step in result.steps) > 0
+
+
 def test_the_meta_check_catches_a_tensor_made_without_a_device(tiny_llama: Target) -> None:
     """The check above can fail: a session that makes its offsets on the default device trips it."""
 
