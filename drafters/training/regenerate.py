@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from jetflow.bench.datasets import Sample, prompt_key
 from jetflow.core.errors import DataError
+from jetflow.core.kv_cache import slab_cache
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
 from jetflow.drafters.training.corpus import Corpus, CorpusWriter, pack_shard, token_dtype, tokens_digest
@@ -31,7 +32,6 @@ from jetflow.drafters.training.features import (
     decoder_states,
     feature_dir,
 )
-from jetflow.core.kv_cache import slab_cache
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from jetflow.core.errors import DataError
+from jetflow.core.kv_cache import SlabLayer
 from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import regenerate as regen
 from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.features import FeatureStore, build_features
-from jetflow.core.kv_cache import SlabLayer
 
 from tests.conftest import make_tiny_target
 
