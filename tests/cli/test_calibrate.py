@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from jetflow.cli.main import main
+from jetflow.core.cost_model import CHOICE_TOLERANCE, choose_budget
 from jetflow.core.target import Target
 
 from tests.conftest import make_tiny_target
@@ -66,7 +67,9 @@ def test_calibrate_json_then_auto_budget_everywhere(capsys, target_dir: str) -> 
     speeds = payload["expected_tokens_per_s"]
     assert set(speeds) == {"0", "1", "2", "4"} and all(isinstance(v, float) for v in speeds.values())
     assert isinstance(payload["budget"], int)
-    assert payload["budget"] == int(max(speeds, key=speeds.get))
+    budgets = sorted(int(b) for b in speeds)  # the rule, not the argmax: near-ties go to the smaller
+    rule = choose_budget(budgets, [speeds[str(b)] for b in budgets], CHOICE_TOLERANCE)
+    assert payload["budget"] == rule
     assert set(payload["tau"]) == set(payload["draft_ms"]) == set(payload["verify_ms"]) == set(speeds)
     assert payload["verify_latency_ms"].keys() >= {"1", "5"}
     assert payload["cached"] is False and Path(payload["path"]).is_file()
