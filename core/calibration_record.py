@@ -65,6 +65,8 @@ class CalibrationKey(_Frozen):
     max_depth: int
     verifier: str
     verifier_params: dict[str, Any]
+    #: verified through the compiled target (its latencies differ from the eager forward's)
+    compiled: bool = False
 
     @classmethod
     def of(
@@ -84,6 +86,7 @@ class CalibrationKey(_Frozen):
             max_depth=tree.max_depth,
             verifier=verifier.name,
             verifier_params=verifier.params.model_dump(mode="json"),
+            compiled=target.compiled is not None,
         )
 
     def digest(self) -> str:
@@ -94,7 +97,8 @@ class CalibrationKey(_Frozen):
         """One line for messages: what was (or was not) calibrated."""
         return (
             f"drafter {self.drafter!r} (policy {self.policy}, width {self.width}, depth {self.max_depth}, "
-            f"verifier {self.verifier}) on target {self.target!r} ({self.dtype}, "
+            f"verifier {self.verifier}) on target {self.target!r} ({self.dtype}"
+            f"{', compiled' if self.compiled else ''}, "
             f"{self.machine.torch_threads} torch threads, {self.machine.accelerator or self.machine.cpu})"
         )
 

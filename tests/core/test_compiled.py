@@ -68,3 +68,14 @@ def test_engine_on_the_compiled_target_decodes_greedily(compiled_llama: Target, 
         fields["tree"] = {"policy": "chain", "budget": BUCKET - 1}  # every tree fits the bucket
     result = Engine(build_config(GenerateConfig, fields), compiled_llama).generate(prompt)
     assert result.token_ids == out[0, len(prompt) :].tolist()
+
+
+def test_a_compiled_target_is_calibrated_apart_from_the_eager_one(compiled_llama: Target) -> None:
+    from jetflow.core.calibration import key_for
+
+    config = build_config(GenerateConfig, {"drafter": "ngram"})
+    compiled_key = key_for(config, compiled_llama)
+    eager_key = key_for(config, _eager(compiled_llama))
+    assert compiled_key.compiled and not eager_key.compiled
+    assert compiled_key.digest() != eager_key.digest()
+    assert "compiled" in compiled_key.describe() and "compiled" not in eager_key.describe()
