@@ -399,6 +399,18 @@ def load_dataset_samples(name: str, limit: int | None = None) -> list[Sample]:
     return samples if limit is None else samples[:limit]
 
 
-def benchmark_prompt_texts() -> set[str]:
-    """First-turn texts of every benchmark set, to prove training data never overlaps them."""
-    return {s.turns[0] for name in BENCHMARK_NAMES for s in _LOADERS[name]()}
+def benchmark_prompt_texts(every_turn: bool = False) -> set[str]:
+    """User-turn texts of every benchmark set: the prompts training data must never contain.
+
+    Regeneration skips a training prompt equal to one of them (compared through
+    :func:`prompt_key`), so no drafter is trained on what it is measured on. First-turn
+    regeneration checks the first turns only (the committed corpus was selected so, and a
+    resumed selection must stay a prefix of it); second turns check ``every_turn``, which adds
+    the follow-ups (MT-Bench's turn 2, the held-out split's later turns).
+    """
+    return {
+        text
+        for name in BENCHMARK_NAMES
+        for sample in _LOADERS[name]()
+        for text in (sample.turns if every_turn else sample.turns[:1])
+    }

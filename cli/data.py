@@ -180,13 +180,12 @@ def _regenerate_second_turns(args: argparse.Namespace) -> int:
     layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
     parent = args.parent or corpus_dir_for(target.name)
     out = args.out or second_turn_dir(parent)
-    exclude = benchmark_turn_texts()
     corpus = second_turns.regenerate_second_turns(
         target,
         parent,
         out,
         {s.id: s for s in samples},
-        exclude=exclude,
+        exclude=datasets.benchmark_prompt_texts(every_turn=True),
         follow=args.follow,
         limit=args.n,
         layers=layers,
@@ -199,13 +198,6 @@ def _regenerate_second_turns(args: argparse.Namespace) -> int:
     )
     _print_summary(out, corpus)
     return 0
-
-
-def benchmark_turn_texts() -> list[str]:
-    """Every user turn of every benchmark set: no follow-up in training data may equal one."""
-    return [
-        t for name in datasets.BENCHMARK_NAMES for s in datasets.load_dataset_samples(name) for t in s.turns
-    ]
 
 
 def _print_summary(out: Path, corpus: Corpus | None) -> None:

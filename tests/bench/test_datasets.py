@@ -56,6 +56,8 @@ def test_benchmark_prompt_texts_cover_every_benchmark_set() -> None:
     assert len(texts) == 270 + 164 + 80 + len(heldout)
     assert ds.load_mtbench()[0].turns[0] in texts
     assert heldout[-1].turns[0] in texts
+    every_turn = ds.benchmark_prompt_texts(every_turn=True)
+    assert texts < every_turn and ds.load_mtbench()[0].turns[1] in every_turn - texts
 
 
 def test_sharegpt_heldout_is_the_files_tail_and_shares_no_prompt_with_training() -> None:

@@ -24,7 +24,11 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     target = make_tiny_target("llama", seed=7)
     target.tokenizer.chat_template = CHAT_TEMPLATE
     monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
-    monkeypatch.setattr(data_cli.datasets, "benchmark_prompt_texts", lambda: {"w5 w6 w7"})
+    # first turns are checked against benchmark first turns only: "w4 w8" is a follow-up
+    benchmark = {False: {"w5 w6 w7"}, True: {"w5 w6 w7", "w4 w8"}}
+    monkeypatch.setattr(
+        data_cli.datasets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
+    )
     prompts = tmp_path / "prompts.jsonl"
     lines = ["w1 w2 w3", "w5  w6 w7", "w1 w2 w3", " ".join(["w9"] * 40), "w4 w8", "w10 w11 w12 w13"]
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))

@@ -35,8 +35,11 @@ def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     target = make_tiny_target("llama", seed=7)
     target.tokenizer.chat_template = CHAT_TEMPLATE
     monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
-    monkeypatch.setattr(data_cli.datasets, "benchmark_prompt_texts", lambda: {"w5 w6 w7"})
-    monkeypatch.setattr(data_cli, "benchmark_turn_texts", lambda: ["w5  w6 w7"])
+    # conversation 2's follow-up is a benchmark text once every turn counts (whitespace aside)
+    benchmark = {False: set(), True: {"w5  w6 w7"}}
+    monkeypatch.setattr(
+        data_cli.datasets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
+    )
     prompts = tmp_path / "prompts.jsonl"
     lines = [
         {"id": str(i), "messages": [{"role": "user", "content": t} for t in turns]}
