@@ -95,9 +95,10 @@ class HitRate:
         written = tokens[self._root_position + 1 :]  # what the target wrote after that root
         for seen in self._pending:
             width = seen.paths.shape[1]
-            known = torch.full((width,), -2, dtype=torch.long)
+            known = written.new_full((width,), -2)
             known[: min(width, written.shape[0])] = written[:width]
-            prefix = (seen.paths == known) | (torch.arange(width) >= seen.depths[:, None])
+            unchecked = torch.arange(width, device=written.device) >= seen.depths[:, None]
+            prefix = (seen.paths == known) | unchecked
             judged = seen.proposed & prefix.all(dim=1) & (seen.depths < written.shape[0])
             truth = written[seen.depths.clamp(max=max(written.shape[0] - 1, 0))]
             self.trials += float(judged.sum())
@@ -126,7 +127,7 @@ def mix(
 
     prob = (1 - w) * share(tokens_a, logp_a, valid_a) + w * share(tokens_b, logp_b, valid_b)
     repeated = candidates[:, :, None] == candidates[:, None, :]
-    earlier = torch.tril(torch.ones(repeated.shape[1:], dtype=torch.bool), diagonal=-1)
+    earlier = repeated.new_ones(repeated.shape[1:]).tril(diagonal=-1)
     first_seen = ~(repeated & earlier).any(dim=2)
     logprobs = torch.where((candidates >= 0) & first_seen & (prob > 0), prob.log(), float("-inf"))
     if logprobs.shape[1] < k:
@@ -166,14 +167,14 @@ class ComposedSession:
 
     def _ask(self, session: DraftSession, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``session``'s children of ``nodes``; nothing at nodes as deep as it reaches."""
-        tokens = torch.zeros(nodes.shape[0], k, dtype=torch.long)
-        logprobs = torch.full((nodes.shape[0], k), float("-inf"))
+        tokens = torch.zeros(nodes.shape[0], k, dtype=torch.long, device=nodes.device)
+        logprobs = torch.full((nodes.shape[0], k), float("-inf"), device=nodes.device)
         reach = nodes.new_ones(nodes.shape[0], dtype=torch.bool)
         if session.max_depth is not None:
             reach = tree.depths[nodes] < session.max_depth
         if bool(reach.any()):
             asked, got = session.children(tree, nodes[reach], k)
-            tokens[reach], logprobs[reach] = asked.cpu().long(), got.cpu().float()
+            tokens[reach], logprobs[reach] = asked.to(tokens), got.to(logprobs)
         return tokens, logprobs
 
     def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:

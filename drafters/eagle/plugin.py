@@ -69,18 +69,18 @@ class EagleSession:
         self._hidden = root[None] if root is not None else None  # [m, H]: evaluated nodes, root first
         empty = cache.kv[0][:, :, :0]
         self._drafted: tuple[Tensor, Tensor] = (empty, empty)  # keys/values of evaluated non-root nodes
-        self._nodes = torch.zeros(1, dtype=torch.long)  # tree node of each row of _hidden
-        self._tokens = torch.zeros(1, dtype=torch.long)  # their tokens (root's unchecked)
-        self._row = torch.zeros(1, dtype=torch.long)  # row of each node index, -1 if not evaluated
+        device = head.device  # the target's, where the tree lives
+        self._nodes = torch.zeros(1, dtype=torch.long, device=device)  # tree node of each row of _hidden
+        self._tokens = torch.zeros(1, dtype=torch.long, device=device)  # their tokens (root's unchecked)
+        self._row = torch.zeros(1, dtype=torch.long, device=device)  # row of each node, -1 if not evaluated
 
     @torch.inference_mode()
     def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
         logprobs = self._logprobs(tree, nodes)
         if logprobs is None:  # no committed entry yet (a one-token prompt): nothing to draft
-            none = torch.full((nodes.shape[0], k), -torch.inf)
-            return torch.zeros(none.shape, dtype=torch.long), none
-        tokens, values = top_proposals(logprobs, k, self.lm.tokens)
-        return tokens.cpu(), values.cpu()
+            none = torch.full((nodes.shape[0], k), -torch.inf, device=nodes.device)
+            return torch.zeros(none.shape, dtype=torch.long, device=nodes.device), none
+        return top_proposals(logprobs, k, self.lm.tokens)
 
     @torch.inference_mode()
     def distributions(self, tree: DraftTree, nodes: Tensor) -> Tensor:
@@ -88,8 +88,8 @@ class EagleSession:
         vocab_size = int(self.shared.lm_head.weight.shape[0])
         logprobs = self._logprobs(tree, nodes)
         if logprobs is None:
-            return torch.zeros(nodes.shape[0], vocab_size)
-        return full_vocabulary(logprobs.exp(), self.lm.tokens, vocab_size).cpu()
+            return torch.zeros(nodes.shape[0], vocab_size, device=nodes.device)
+        return full_vocabulary(logprobs.exp(), self.lm.tokens, vocab_size)
 
     def _logprobs(self, tree: DraftTree, nodes: Tensor) -> Tensor | None:
         """``[f, N]`` float32 log-probabilities over the draft vocabulary; None before any entry."""
@@ -127,7 +127,7 @@ class EagleSession:
         hidden = self.head.draft_step(self.cache, self._drafted, x, positions, mask)
         keys, values = self.head.entry_kv(x[None], positions[None])
         self._drafted = append_kv(self._drafted, (keys, values))
-        self._row[new] = self._nodes.shape[0] + torch.arange(new.shape[0])
+        self._row[new] = self._nodes.shape[0] + torch.arange(new.shape[0], device=new.device)
         self._nodes = torch.cat([self._nodes, new])
         self._tokens = torch.cat([self._tokens, tree.tokens[new]])
         self._hidden = torch.cat([self._hidden, hidden])

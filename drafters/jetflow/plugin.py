@@ -124,9 +124,9 @@ class PathConditionedSession:
         )
         keys, order = (first.parents[1:] * self._stride + first.tokens[1:]).sort()
         # A sentinel above every key keeps searchsorted in range; it never matches.
-        self._keys = torch.cat([keys, torch.tensor([self._stride * (first.size + 1)])])
-        self._children = torch.cat([order + 1, torch.tensor([-1])])  # first-tree node of each key
-        self._match = torch.zeros(1, dtype=torch.long)  # rebuilt-tree node -> first-tree node or -1
+        self._keys = torch.cat([keys, keys.new_full((1,), self._stride * (first.size + 1))])
+        self._children = torch.cat([order + 1, order.new_full((1,), -1)])  # first-tree node of each key
+        self._match = order.new_zeros(1)  # rebuilt-tree node -> first-tree node or -1
 
     def _matches(self, tree: DraftTree) -> Tensor:
         """First-tree node of every node of ``tree`` (``-1`` if none), extended level by level."""
@@ -223,10 +223,10 @@ class JetFlowDrafter(LearnedDrafter):
 
     @property
     def _vocab(self) -> Tensor | None:
-        return None if self.lm.tokens is None else self.lm.tokens.cpu()
+        return self.lm.tokens
 
     def _logprobs(self, hidden: Tensor) -> Tensor:
-        return torch.log_softmax(self.lm.logits(hidden).float(), dim=-1).cpu()
+        return torch.log_softmax(self.lm.logits(hidden).float(), dim=-1)
 
     @torch.inference_mode()
     def refresh(self, session: PerDepthSession, tree: DraftTree) -> PathConditionedSession:
