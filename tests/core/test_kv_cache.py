@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jetflow.core.kv_cache import SlabLayer, is_slab
 from jetflow.core.target import Target
-from jetflow.core.tree import DraftTree
+
+from tests.core.test_tree import random_trees
 
 ATOL = 1e-5
 
@@ -20,12 +21,9 @@ ATOL = 1e-5
 @st.composite
 def trees_with_a_path(draw):
     prefix = draw(st.lists(st.integers(2, 255), min_size=1, max_size=12))
-    n = draw(st.integers(1, 10))
-    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-    tokens = draw(st.lists(st.integers(2, 255), min_size=n, max_size=n))
-    tree = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), scores=torch.zeros(n))
-    capacity = draw(st.integers(1, len(prefix) + n + 4))  # small ones force the slab to grow
-    return prefix, tree, draw(st.integers(0, n - 1)), capacity
+    tree = draw(random_trees(max_nodes=10))
+    capacity = draw(st.integers(1, len(prefix) + tree.size + 4))  # small ones force the slab to grow
+    return prefix, tree, draw(st.integers(0, tree.size - 1)), capacity
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

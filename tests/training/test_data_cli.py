@@ -6,35 +6,23 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from jetflow.cli import data as data_cli
 from jetflow.cli.main import main
+from jetflow.core.target import Target
 from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.features import FeatureStore
 
-from tests.conftest import make_tiny_target
+from tests.training.conftest import TinyDataTarget
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture
-def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """Route ``Target.load`` to a tiny target and the benchmark texts to one known prompt."""
-    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
-    target = make_tiny_target("llama", seed=7)
-    target.tokenizer.chat_template = CHAT_TEMPLATE
-    monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
+def tiny(tiny_data_target: TinyDataTarget) -> tuple[Target, Path]:
+    """A tiny target, one known benchmark prompt and a prompt file that repeats it (whitespace aside)."""
+    lines = ["w1 w2 w3", "w5  w6 w7", "w1 w2 w3", " ".join(["w9"] * 40), "w4 w8", "w10 w11 w12 w13"]
     # first turns are checked against benchmark first turns only: "w4 w8" is a follow-up
     benchmark = {False: {"w5 w6 w7"}, True: {"w5 w6 w7", "w4 w8"}}
-    monkeypatch.setattr(
-        data_cli.datasets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
-    )
-    prompts = tmp_path / "prompts.jsonl"
-    lines = ["w1 w2 w3", "w5  w6 w7", "w1 w2 w3", " ".join(["w9"] * 40), "w4 w8", "w10 w11 w12 w13"]
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
-    threads = torch.get_num_threads()
-    yield target, prompts
-    torch.set_num_threads(threads)  # the commands ran with --threads 1
+    return tiny_data_target(CHAT_TEMPLATE, [{"prompt": p} for p in lines], benchmark)
 
 
 def test_regenerate_features_and_stats(tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

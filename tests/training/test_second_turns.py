@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from jetflow.cli import data as data_cli
 from jetflow.cli import train as train_cli
 from jetflow.cli.main import main
 from jetflow.core.errors import ConfigError
+from jetflow.core.target import Target
 from jetflow.drafters.training import second_turns
 from jetflow.drafters.training.corpus import Corpus, second_turn_dir, training_corpus_dirs
 from jetflow.drafters.training.features import FeatureStore
 
-from tests.conftest import make_tiny_target
+from tests.training.conftest import TinyDataTarget
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}w0 {% endif %}{{ m['content'] }} {% endfor %}"
@@ -30,25 +30,14 @@ CONVERSATIONS = [
 
 
 @pytest.fixture
-def tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
-    target = make_tiny_target("llama", seed=7)
-    target.tokenizer.chat_template = CHAT_TEMPLATE
-    monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
-    # conversation 2's follow-up is a benchmark text once every turn counts (whitespace aside)
-    benchmark = {False: set(), True: {"w5  w6 w7"}}
-    monkeypatch.setattr(
-        data_cli.datasets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
-    )
-    prompts = tmp_path / "prompts.jsonl"
-    lines = [
+def tiny(tiny_data_target: TinyDataTarget) -> tuple[Target, Path]:
+    records = [
         {"id": str(i), "messages": [{"role": "user", "content": t} for t in turns]}
         for i, turns in enumerate(CONVERSATIONS)
     ]
-    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    threads = torch.get_num_threads()
-    yield target, prompts
-    torch.set_num_threads(threads)
+    # conversation 2's follow-up is a benchmark text once every turn counts (whitespace aside)
+    benchmark = {False: set(), True: {"w5  w6 w7"}}
+    return tiny_data_target(CHAT_TEMPLATE, records, benchmark)
 
 
 def _regenerate(prompts: Path, *args: str, features: str | None = None) -> int:

@@ -1,0 +1,44 @@
+"""Fixtures of the ``jetflow data`` tests: the command run against a tiny target."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from jetflow.cli import data as data_cli
+from jetflow.core.target import Target
+
+from tests.conftest import make_tiny_target
+
+#: makes the tiny data target: (chat template, prompt-file records, benchmark texts by ``every_turn``)
+TinyDataTarget = Callable[[str, list[dict], dict[bool, set[str]]], tuple[Target, Path]]
+
+
+@pytest.fixture
+def tiny_data_target(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[TinyDataTarget]:
+    """Route ``Target.load`` to a tiny target and the benchmark texts to known ones.
+
+    The returned function takes the target's chat template, the records of a prompt file
+    (written to ``tmp_path``) and what ``benchmark_prompt_texts(every_turn)`` returns for
+    each ``every_turn``; it gives the target and the prompt file. The commands run with
+    ``--threads 1``, so torch's thread count is restored afterwards.
+    """
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "cache"))
+
+    def make(chat_template: str, records: list[dict], benchmark: dict[bool, set[str]]) -> tuple[Target, Path]:
+        target = make_tiny_target("llama", seed=7)
+        target.tokenizer.chat_template = chat_template
+        monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
+        monkeypatch.setattr(
+            data_cli.datasets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
+        )
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(record) + "\n" for record in records))
+        return target, prompts
+
+    threads = torch.get_num_threads()
+    yield make
+    torch.set_num_threads(threads)
