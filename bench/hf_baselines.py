@@ -5,6 +5,9 @@ model for the duration of one call: each forward's start position (from ``positi
 gives the tokens that forward emitted, hence tau and the acceptance histogram, and the
 hooks time the forwards. Prompt lookup's drafting time is taken by timing its candidate
 generator's ``get_candidates`` for the call.
+
+Both run as a user runs them: plain ``transformers`` on the model's own weights, without the
+packed linear weights of jetflow's target (:mod:`jetflow.core.packed_weights`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 from jetflow.bench.generation import Generation
+from jetflow.core.packed_weights import unpacked
 from jetflow.core.target import Target
 from transformers import GenerationConfig
 
@@ -141,7 +145,7 @@ class HFGenerateMethod:
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.target.device)
         config = GenerationConfig(**self.options, max_new_tokens=max_new_tokens)
         lookup = self.options["prompt_lookup_num_tokens"] is not None
-        with _probed(model) as probe, _timed_candidates(lookup) as drafting:
+        with unpacked(model), _probed(model) as probe, _timed_candidates(lookup) as drafting:
             start = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             wall = time.perf_counter() - start

@@ -67,6 +67,8 @@ class CalibrationKey(_Frozen):
     verifier_params: dict[str, Any]
     #: verified through the compiled target (its latencies differ from the eager forward's)
     compiled: bool = False
+    #: the target's linear weights packed once for oneDNN (:mod:`jetflow.core.packed_weights`)
+    packed_weights: bool = False
 
     @classmethod
     def of(
@@ -87,6 +89,7 @@ class CalibrationKey(_Frozen):
             verifier=verifier.name,
             verifier_params=verifier.params.model_dump(mode="json"),
             compiled=target.compiled is not None,
+            packed_weights=target.linear_weights == "packed",
         )
 
     def digest(self) -> str:

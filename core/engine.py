@@ -173,6 +173,7 @@ class Engine:
             budget=self._budget_run(steps),
             steps=steps,
             attention=self.target.attention,
+            linear_weights=self.target.linear_weights,
         )
 
     def _budget_run(self, steps: Sequence[StepRecord]) -> int | None:

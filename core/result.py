@@ -44,6 +44,8 @@ class GenerationResult:
     steps: list[StepRecord] = field(default_factory=list)
     #: the verify forward's attention: ``triton-tree`` (the CUDA tree kernel) or ``sdpa``
     attention: str = "sdpa"
+    #: the target's linear weights: ``packed`` once for oneDNN (CPU bfloat16) or ``plain``
+    linear_weights: str = "plain"
 
     @property
     def new_tokens(self) -> int:
@@ -80,6 +82,7 @@ class GenerationResult:
             "budget": self.budget,
             "budgets": self.budget_histogram() if self.budget is not None else None,
             "attention": self.attention,
+            "linear_weights": self.linear_weights,
         }
 
     def budget_histogram(self) -> dict[str, int]:

@@ -22,6 +22,7 @@ import torch
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.errors import TargetError
 from jetflow.core.kv_cache import is_slab, slab_cache, supports_slab
+from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.core.precision import default_device, dtype_name
 from jetflow.core.tree import DraftTree
 from jetflow.kernels.verify_attention import select_verify_attention, verify_mask
@@ -65,6 +66,8 @@ class Target:
         self.attention = select_verify_attention(self.model)
         #: the compiled verify forward (:meth:`use_compiled`), or None for the eager one
         self.compiled: CompiledForward | None = None
+        #: the linear layers' weights: ``packed`` once for oneDNN (CPU bfloat16) or ``plain``
+        self.linear_weights = "packed" if pack_linear_weights(self.model) else "plain"
 
     # ------------------------------------------------------------------ loading
     @classmethod
