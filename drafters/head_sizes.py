@@ -73,6 +73,18 @@ class HeadSizes(BaseModel):
         }
         return cls.model_validate(derived | overrides)
 
+    def transformers_fields(self) -> dict[str, object]:
+        """The layer sizes under transformers' config names: the inverse of :meth:`for_target`."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        }
+
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(
             hidden_size=self.hidden_size,

@@ -122,14 +122,8 @@ def export_block_head(
     else:
         tensors.pop("lm_head.weight", None)  # the full vocabulary: vLLM shares the target's LM head
     layer = LayerConfig(
-        hidden_size=c.hidden_size,
+        **c.transformers_fields(),
         num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        intermediate_size=c.intermediate_size,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         max_position_embeddings=target.context_length,
         vocab_size=vocab,
     )
