@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from jetflow.core.errors import ConfigError
@@ -75,32 +75,29 @@ def build_export(
     )
 
 
+class ExportOptions(TypedDict, total=False):
+    """:func:`build_export`'s keyword options, which :func:`export_drafter` passes on as they are."""
+
+    params: dict[str, Any] | None
+    verifier: str | None
+    mask_token_id: int | None
+    dtype: torch.dtype
+    registry: Registry | None
+
+
 def export_drafter(
     drafter: str,
     out: str | Path,
     target_spec: str = DEFAULT_TARGET,
     *,
     fmt: str = "speculators",
-    params: dict[str, Any] | None = None,
-    verifier: str | None = None,
-    mask_token_id: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    registry: Registry | None = None,
+    **options: Unpack[ExportOptions],
 ) -> Path:
     """Load the target (fp32: the LM-head rows are copied exactly), export the head, write ``out``."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; known formats: {', '.join(FORMATS)}")
     target = Target.load(target_spec, torch.float32, device="cpu")
-    export = build_export(
-        drafter,
-        target,
-        target_spec,
-        params=params,
-        verifier=verifier,
-        mask_token_id=mask_token_id,
-        dtype=dtype,
-        registry=registry,
-    )
+    export = build_export(drafter, target, target_spec, **options)
     path = write_export(export, out)
     log.info("exported %s as %s to %s", drafter, export.config.speculators_model_type, path)
     return path
