@@ -175,10 +175,11 @@ class CompiledForward:
             layer.reserve(length + 1)  # never exactly full: capacity == L would be specialised on
         keys = [layer.key_slab for layer in layers]
         values = [layer.value_slab for layer in layers]
-        bounds = {"min": rows + 1, "max": _LONGEST}
-        torch._dynamo.mark_dynamic(mask, 3, **bounds)
+        torch._dynamo.mark_dynamic(mask, 3, min=rows + 1, max=_LONGEST)
+        # The slabs outlive this call and every bucket's graph reads them: a range marked here
+        # would stay on them beside the next bucket's, so their length is only allowed to vary.
         for slab in (*keys, *values):
-            torch._dynamo.mark_dynamic(slab, 2, **bounds)
+            torch._dynamo.maybe_mark_dynamic(slab, 2)
         first = rows not in self.compile_s
         started = time.perf_counter()
         logits, hidden = self._graph()(tokens[None], positions[None], mask, keys, values)

@@ -79,3 +79,22 @@ def test_a_compiled_target_is_calibrated_apart_from_the_eager_one(compiled_llama
     assert compiled_key.compiled and not eager_key.compiled
     assert compiled_key.digest() != eager_key.digest()
     assert "compiled" in compiled_key.describe() and "compiled" not in eager_key.describe()
+
+
+def test_buckets_share_one_slab_without_recompiling_per_length(tmp_path, monkeypatch) -> None:
+    """Trees of two sizes in turn on one growing slab: one graph per bucket, each still exact."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    target = make_tiny_target("llama", seed=3)
+    target.use_compiled(CompiledForward(target.model, buckets=(2, 3), autotune=False))
+    eager = _eager(target)
+    prefix = [5, 9, 13, 7, 3, 22, 40, 41]
+    cache, _ = target.prefill(torch.tensor(prefix[:4]), capacity=6)  # grows on the way
+    for step in range(4):
+        size = 2 + step % 2
+        tokens = torch.tensor([prefix[4 + step], 8, 9][:size])
+        tree = DraftTree(tokens=tokens, parents=torch.tensor([-1, 0, 0][:size]), scores=torch.zeros(size))
+        out = target.verify(cache, tree)
+        reference_cache, _ = eager.prefill(torch.tensor(prefix[: 4 + step]))
+        torch.testing.assert_close(out.logits, eager.verify(reference_cache, tree).logits, atol=ATOL, rtol=0)
+        target.commit(cache, 4 + step, torch.tensor([0]))  # the root accepted: the history grows by one
+    assert sorted(target.compiled.compile_s) == [2, 3]
