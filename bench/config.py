@@ -121,7 +121,11 @@ class BenchConfig(_Frozen):
         "temperature (the `sampling` verifier, seeded by `seed`)",
     )
     seed: int = 0
-    compile: bool = Field(False, description="jetflow's methods verify through the compiled target")
+    compile: bool | None = Field(
+        None,
+        description="jetflow's methods verify through the compiled target (None: where a "
+        "calibration with --compile shows it pays; every method then shares that path)",
+    )
     vllm: bool = Field(
         False, description="also run vllm, vllm-ngram and vllm-<drafter> (exported heads) in .venv-vllm"
     )

@@ -94,8 +94,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
         words += ["--temperature", str(config.temperature), "--seed", str(config.seed)]
     if config.vllm:
         words.append("--vllm")
-    if config.compile:
-        words.append("--compile")
+    if config.compile is not None:
+        words.append("--compile" if config.compile else "--no-compile")
     return shlex.join(words)
 
 

@@ -77,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
     if tree:
         overrides["tree"] = tree
     config = build_config(GenerateConfig, merge(base, overrides))
+    config = config.model_copy(update={"compile": bool(config.compile)})  # measured: eager unless asked
     if not config.uses_drafter:
         raise ConfigError("calibrate needs a drafter: without one there is no budget to choose")
     return config

@@ -72,9 +72,16 @@ class CalibrationKey(_Frozen):
 
     @classmethod
     def of(
-        cls, target: Target, drafter: Drafter, policy: TreePolicy, verifier: Verifier, tree: TreeConfig
+        cls,
+        target: Target,
+        drafter: Drafter,
+        policy: TreePolicy,
+        verifier: Verifier,
+        tree: TreeConfig,
+        compiled: bool | None = None,
     ) -> CalibrationKey:
-        """The key of an engine's parts (plugin parameters with their defaults filled in)."""
+        """The key of an engine's parts (plugin parameters with their defaults filled in);
+        ``compiled`` None: whether ``target`` verifies through its compiled forward now."""
         return cls(
             machine=MachineKey.current(target.device),
             target=_target_name(target.name),
@@ -88,7 +95,7 @@ class CalibrationKey(_Frozen):
             max_depth=tree.max_depth,
             verifier=verifier.name,
             verifier_params=verifier.params.model_dump(mode="json"),
-            compiled=target.compiled is not None,
+            compiled=target.compiled is not None if compiled is None else compiled,
             packed_weights=target.linear_weights == "packed",
         )
 

@@ -64,6 +64,32 @@ def save_calibration(calibration: Calibration) -> Path:
     return path
 
 
+def compiling_pays(key: CalibrationKey) -> bool:
+    """Whether ``key``'s setup is calibrated through the compiled target and predicts more
+    tokens/s there than through the eager forward (or has no eager calibration to compare).
+
+    Compiling costs minutes per tree-size bucket, so it is never started on a guess: only a
+    calibration the user asked for (``jetflow calibrate --compile``) can make it the default.
+    """
+    compiled = _usable(key.model_copy(update={"compiled": True}))
+    if compiled is None:
+        return False
+    eager = _usable(key.model_copy(update={"compiled": False}))
+    return eager is None or _best_speed(compiled) > _best_speed(eager)
+
+
+def _usable(key: CalibrationKey) -> Calibration | None:
+    try:
+        return load_calibration(key)
+    except ConfigError as error:
+        log.warning("ignoring the cached calibration: %s", error)
+        return None
+
+
+def _best_speed(calibration: Calibration) -> float:
+    return max(point.expected_tokens_per_s for point in calibration.points)
+
+
 #: "adaptive": calibrated, then re-chosen every step (:mod:`jetflow.core.adaptive`)
 BudgetSource = Literal["fixed", "calibrated", "adaptive", "default"]
 

@@ -90,11 +90,12 @@ class GenerateConfig(_Frozen):
     stop_at_eos: bool = True
     chat_template: bool = True
     seed: int = 0
-    compile: bool = Field(
-        False,
+    compile: bool | None = Field(
+        None,
         description="verify through the target compiled by inductor (one graph per tree-size bucket, "
         "compiled on first use, cached on disk); off: the eager forward, exactly equal to "
-        "transformers.generate in fp32",
+        "transformers.generate in fp32; None (auto): compiled where a calibration made with "
+        "`jetflow calibrate --compile` predicts more tokens/s than the eager one",
     )
 
     @model_validator(mode="after")

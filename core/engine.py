@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration_record import CalibrationKey
-from jetflow.core.calibration_store import BudgetSource, resolve_budget
+from jetflow.core.calibration_store import BudgetSource, compiling_pays, resolve_budget
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import (
@@ -47,8 +47,6 @@ class Engine:
     ) -> None:
         registry = registry or default_registry()
         self.target = target or Target.load(config.target, resolve_dtype(config.dtype))
-        if config.compile and self.target.compiled is None:  # shared by every engine on this target
-            self.target.use_compiled(CompiledForward(self.target.model))
         config = config.with_available_drafter(self.target, registry)
         self.config = config
         self.drafter: Drafter | None = None
@@ -61,10 +59,23 @@ class Engine:
         self.policy: TreePolicy = policy_cls(policy_cls.Params.model_validate(config.tree.params))
         verifier_cls = registry.get("verifier", config.verifier)
         self.verifier: Verifier = verifier_cls(verifier_cls.Params.model_validate(config.verifier_params))
+        if self.target.compiled is None and self._compiles():  # shared by every engine on this target
+            self.target.use_compiled(CompiledForward(self.target.model))
         self.budget_source: BudgetSource = "fixed"
         #: re-chooses the budget every step when it comes from a calibration (``tree.adapt``)
         self.adaptive: AdaptiveBudget | None = None
         self.shape = TreeShape(self._resolve_budget(), config.tree.width, config.tree.max_depth)
+
+    def _compiles(self) -> bool:
+        """``compile`` as configured; left unset, where this setup's calibrations show it pays."""
+        if self.config.compile is not None:
+            return self.config.compile
+        if self.drafter is None:  # plain decoding has no calibration; it follows a drafted engine
+            return False
+        key = CalibrationKey.of(
+            self.target, self.drafter, self.policy, self.verifier, self.config.tree, compiled=False
+        )
+        return compiling_pays(key)
 
     def _resolve_budget(self) -> int:
         """Once per engine: a fixed budget as given; ``auto`` or unset from the cached calibration."""

@@ -98,3 +98,35 @@ def test_buckets_share_one_slab_without_recompiling_per_length(tmp_path, monkeyp
         torch.testing.assert_close(out.logits, eager.verify(reference_cache, tree).logits, atol=ATOL, rtol=0)
         target.commit(cache, 4 + step, torch.tensor([0]))  # the root accepted: the history grows by one
     assert sorted(target.compiled.compile_s) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("compiled_ms", "eager_ms", "setting", "compiles"),
+    [
+        (None, 10.0, None, False),  # nothing calibrated through the compiled target: never a guess
+        (8.0, 10.0, None, True),  # the compiled calibration predicts more tokens/s
+        (12.0, 10.0, None, False),  # the eager one does
+        (8.0, None, None, True),  # asked for by `calibrate --compile`, nothing to compare with
+        (8.0, 10.0, False, False),  # --no-compile wins over any calibration
+        (None, None, True, True),  # --compile needs none
+    ],
+)
+def test_compiling_is_the_default_where_the_calibration_shows_it_pays(
+    tmp_path, monkeypatch, compiled_ms, eager_ms, setting, compiles
+) -> None:
+    from jetflow.core import calibration as cal
+
+    from tests.core.test_adaptive import calibration_record
+
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
+    config = build_config(GenerateConfig, {"drafter": "ngram", "compile": setting})
+    target = make_tiny_target("llama")
+    eager_key = cal.key_for(config.model_copy(update={"compile": False}), target)
+    for ms, compiled in ((compiled_ms, True), (eager_ms, False)):
+        if ms is not None:
+            key = eager_key.model_copy(update={"compiled": compiled})
+            cal.save_calibration(calibration_record(key, {0: 1.0, 2: 1.5}, {0: ms, 2: ms * 1.1}))
+    engine = Engine(config, target)
+    assert (target.compiled is not None) == compiles
+    calibrated = compiled_ms if compiles else eager_ms  # the budget comes from the path's own
+    assert (engine.budget_source != "default") == (calibrated is not None)
