@@ -101,12 +101,15 @@ __all__ = [
     "save_calibration",
 ]
 
-#: budgets whose acceptance is measured (each one an engine run per prompt)
-DEFAULT_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: budgets whose acceptance is measured (each one an engine run per prompt). From 15 on, a
+#: budget's tree (root included) fills a whole number of 16-row blocks: matrix units work on row
+#: tiles of 16 (AMX; GPU tensor cores on multiples of it), so one more node would start a
+#: tile, and the verify cost steps up at 17 and 33 rows while one drafted node adds little tau.
+DEFAULT_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 15, 31, 63, 127, 255)
 #: tree sizes (root included) whose verify latency is measured; others are interpolated
 DEFAULT_TREE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 #: the budgets a first-use calibration measures (``jetflow calibrate`` searches all of DEFAULT_BUDGETS)
-FIRST_USE_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+FIRST_USE_BUDGETS: tuple[int, ...] = (1, 2, 4, 8, 15, 31)
 
 #: Calibration prompts: short, varied (code, arithmetic, explanation, rewriting, data formats)
 #: and written for this module, so no benchmark (CHAMP, HumanEval, MT-Bench) or training

@@ -35,9 +35,9 @@ from transformers import DynamicCache, PreTrainedModel
 log = logging.getLogger(__name__)
 
 #: row counts a graph is compiled for; a tree runs in the smallest bucket that holds it. One row
-#: is a plain step; the others are the sizes of full trees of budgets 1-32 (a root and B nodes),
-#: the budgets the calibration chooses among, so a full tree is never padded.
-DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33)
+#: is a plain step; the others are the sizes of full trees of the budgets a first-use
+#: calibration chooses among (a root and B nodes), so a full tree is never padded.
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 3, 5, 9, 16, 32)
 #: the upper bound of the symbolic history length (dynamo needs one; no context is this long)
 _LONGEST = 1 << 24
 
