@@ -72,8 +72,12 @@ def dflash_differences(architecture: Mapping[str, Any]) -> list[str]:
             if value != required:
                 differences.append(problem)
             continue
-        differences.append(f"architecture field {name}={value!r} has no counterpart known to the exporter")
+        differences.append(_unknown(name, value))
     return differences
+
+
+def _unknown(name: str, value: Any) -> str:
+    return f"architecture field {name}={value!r} has no counterpart known to the exporter"
 
 
 #: the structure of jetflow's EAGLE head that vLLM's Eagle3 classes (Llama and Qwen3) do not share
@@ -89,9 +93,5 @@ EAGLE3_DIFFERENCES = (
 def eagle3_differences(architecture: Mapping[str, Any]) -> list[str]:
     """What jetflow's EAGLE head has that vLLM's Eagle3 model lacks (its layout, always)."""
     known = _DFLASH_MAPPED | _TRAINING_ONLY | {"qk_norm"}
-    unknown = [
-        f"architecture field {name}={value!r} has no counterpart known to the exporter"
-        for name, value in architecture.items()
-        if name not in known
-    ]
+    unknown = [_unknown(name, value) for name, value in architecture.items() if name not in known]
     return [*EAGLE3_DIFFERENCES, *unknown]

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from jetflow.core.target import Target
 from jetflow.core.tree import DraftTree
 
+from .test_tree import random_trees
+
 ATOL = 1e-4
 
 
@@ -24,11 +26,8 @@ def _full_logits(target: Target, ids: list[int]) -> torch.Tensor:
 @st.composite
 def prefixed_trees(draw):
     prefix = draw(st.lists(st.integers(2, 255), min_size=1, max_size=20))
-    n = draw(st.integers(1, 14))
-    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
-    tokens = draw(st.lists(st.integers(2, 255), min_size=n, max_size=n))
-    tree = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), scores=torch.zeros(n))
-    accepted = draw(st.integers(0, n - 1))
+    tree = draw(random_trees(max_nodes=14))
+    accepted = draw(st.integers(0, tree.size - 1))
     follow_up = draw(st.integers(2, 255))
     return prefix, tree, accepted, follow_up
 
