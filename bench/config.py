@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jetflow.bench.datasets import DATASET_NAMES, FILE_PREFIX
+from jetflow.bench.lossless import DEFAULT_TIE_TOLERANCE
 from jetflow.core.config import AUTO_BUDGET, Budget, TreeConfig, build_config, load_toml, merge
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import DtypeName
@@ -99,10 +100,10 @@ class BenchConfig(_Frozen):
     baselines: tuple[str, ...] = Field(BASELINES, description="transformers peers to run beside 'ar'")
     prompt_lookup_tokens: int = Field(10, ge=1, description="hf-prompt-lookup's prompt_lookup_num_tokens")
     warmup_tokens: int = Field(16, ge=0, description="one untimed generation per method first; 0: none")
-    # bf16 logits of SmolLM2 are ~20 in size, so they step by 0.125; one forward versus
-    # 16-token chunks of the same tokens moved them by up to 0.94 (mean 0.12) here.
     tie_tolerance: float = Field(
-        1.0, ge=0.0, description="bf16/fp16: max logit gap at a divergence that counts as a rounding tie"
+        DEFAULT_TIE_TOLERANCE,
+        ge=0.0,
+        description="bf16/fp16: max logit gap at a divergence that counts as a rounding tie",
     )
     tree: BenchTree = Field(default_factory=BenchTree)
     drafter_params: dict[str, dict[str, Any]] = Field(

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import torch
+from jetflow.bench.lossless import DEFAULT_TIE_TOLERANCE, Divergence, LosslessChecker
 from jetflow.cli._options import add_compile_flag
 from jetflow.core.calibration import ensure_calibration
 from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_toml, merge
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         if baseline is not None:
             payload["baseline"] = _as_json(baseline)
             payload["identical_to_baseline"] = baseline.token_ids == result.token_ids
+            divergence = _divergence(target, baseline, result)
+            payload["divergence"] = None if divergence is None else divergence.as_dict()
         print(json.dumps(payload))
         return 0
     print(result.text)
@@ -136,10 +139,28 @@ def run(args: argparse.Namespace) -> int:
     _print_stats(_describe(engine, result), result)
     if baseline is not None:
         _print_stats("ar", baseline)
-        same = "identical" if baseline.token_ids == result.token_ids else "DIFFERENT"
         speedup = baseline.wall_s / result.wall_s if result.wall_s else float("nan")
-        print(f"output {same} to the baseline; speedup {speedup:.2f}x")
+        print(f"output {_agreement(_divergence(target, baseline, result))}; speedup {speedup:.2f}x")
     return 0
+
+
+def _divergence(target: Target, baseline: GenerationResult, result: GenerationResult) -> Divergence | None:
+    """Where ``result`` leaves the plain run's tokens, classified as the bench does."""
+    checker = LosslessChecker(target, DEFAULT_TIE_TOLERANCE)
+    return checker.check("prompt", 0, result.prompt_ids, baseline.token_ids, result.token_ids)
+
+
+def _agreement(divergence: Divergence | None) -> str:
+    if divergence is None:
+        return "identical to the baseline"
+    where = f"token {divergence.position}"
+    if divergence.kind == "tie":
+        return (
+            f"equal to the baseline up to {where}, where the two differ at a rounding tie of this "
+            f"dtype's kernels (logit gap {divergence.logit_gap:.3f}): lossless"
+        )
+    gap = "" if divergence.logit_gap is None else f", logit gap {divergence.logit_gap:.3f}"
+    return f"DIFFERENT from the baseline at {where}{gap}: a bug, please report it"
 
 
 def _describe(engine: Engine, result: GenerationResult) -> str:

@@ -32,25 +32,31 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "JETFLOW_PACKED_WEIGHTS"
 
 
-class PackedLinearForward:
-    """A linear layer's forward on its weight reordered once into oneDNN's blocked layout."""
+class PackedLinear:
+    """``x @ weight.T + bias`` on ``weight`` reordered once into oneDNN's blocked layout.
 
-    def __init__(self, linear: nn.Linear) -> None:
-        self.linear = linear
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+    Falls back to ``F.linear`` on the plain weight under autograd, inside ``torch.compile``
+    and for an input of another dtype (whose error, if any, is then ``F.linear``'s own).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     def __call__(self, x: Tensor) -> Tensor:
-        linear = self.linear
         if x.requires_grad or torch.compiler.is_compiling() or x.dtype != self.packed.dtype:
-            return F.linear(x, linear.weight, linear.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, linear.bias, "none", [], "")
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def packing_unavailable(model: nn.Module) -> str | None:
-    """Why ``model``'s weights are not packed here, or None when they are packed at load."""
+def packing_unavailable(module_or_weight: nn.Module | Tensor) -> str | None:
+    """Why these weights are not packed here, or None when they are."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
-    parameter = next(model.parameters(), None)
+    if isinstance(module_or_weight, Tensor):
+        parameter = module_or_weight
+    else:
+        parameter = next(module_or_weight.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
         return "not on the CPU"
     if parameter.dtype != torch.bfloat16:
@@ -58,6 +64,11 @@ def packing_unavailable(model: nn.Module) -> str | None:
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return "oneDNN has no native bfloat16 on this processor"
     return None
+
+
+def packed_or_plain(weight: Tensor, bias: Tensor | None = None) -> PackedLinear | None:
+    """A :class:`PackedLinear` of ``weight`` where packing serves it, else None."""
+    return PackedLinear(weight, bias) if packing_unavailable(weight) is None else None
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -69,12 +80,12 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     layers = [module for module in model.modules() if type(module) is nn.Linear]
     for linear in layers:
-        linear.forward = PackedLinearForward(linear)
+        linear.forward = PackedLinear(linear.weight, linear.bias)
     return len(layers)
 
 
 def is_packed(linear: nn.Module) -> bool:
-    return isinstance(linear.__dict__.get("forward"), PackedLinearForward)
+    return isinstance(linear.__dict__.get("forward"), PackedLinear)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jetflow.core.contracts import Drafter
 from jetflow.core.errors import JetflowError
+from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
 from jetflow.drafters.checkpoint import load_checkpoint, load_weights
 from pydantic import BaseModel
@@ -39,6 +40,7 @@ class LearnedDrafter(Drafter):
         self.head = self.head_from_architecture(info.architecture)
         load_weights(self.head, state, self.checkpoint)
         self.head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        pack_linear_weights(self.head)  # as the target's: frozen from here on
         self.shared = FrozenTargetParts.from_target(target)
         self.lm = DraftLMHead.build(self.shared.lm_head, self.head.draft_tokens)
         self.checkpoint_info = info

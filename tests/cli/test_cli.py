@@ -77,7 +77,20 @@ def test_generate_json_on_the_real_target(capsys) -> None:
         payload["stats"]["new_tokens"] / payload["stats"]["steps"], abs=1e-4
     )
     assert isinstance(payload["stats"]["budget"], int)  # resolved, even when calibrated
-    assert payload["identical_to_baseline"] is True
+    divergence = payload["divergence"]  # bf16 where the processor has it: a rounding tie is lossless
+    assert divergence is None or divergence["kind"] == "tie"
+    assert payload["identical_to_baseline"] is (divergence is None)
+
+
+def test_compare_says_whether_a_difference_is_a_rounding_tie_or_a_bug() -> None:
+    from jetflow.bench.lossless import Divergence
+    from jetflow.cli.generate import _agreement
+
+    assert _agreement(None) == "identical to the baseline"
+    tie = _agreement(Divergence("prompt", 0, 17, 5, 6, 0.125, "tie"))
+    assert "up to token 17" in tie and "0.125" in tie and tie.endswith("lossless")
+    bug = _agreement(Divergence("prompt", 0, 3, 5, 6, 4.5, "bug"))
+    assert bug.startswith("DIFFERENT") and "token 3" in bug and "a bug" in bug
 
 
 @pytest.mark.integration

@@ -73,3 +73,20 @@ def test_draft_lm_head_is_the_target_head_restricted_to_its_tokens(tiny_llama) -
     torch.testing.assert_close(sub.logits(hidden), lm_head(hidden)[:, tokens])
     assert sub.token_ids(torch.tensor([[0, 3]])).tolist() == [[2, 200]]
     assert sub.columns(torch.tensor([40, 41]), vocab_size=256).tolist() == [2, -1]
+
+
+def test_a_bf16_draft_lm_head_is_packed_and_gives_the_plain_products_bits() -> None:
+    import pytest
+    from jetflow.core.packed_weights import packing_unavailable
+    from jetflow.drafters.blocks import DraftLMHead
+
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(64, 256, bias=False).to(torch.bfloat16).requires_grad_(False)
+    if packing_unavailable(lm_head) is not None:
+        pytest.skip(f"no packing here: {packing_unavailable(lm_head)}")
+    hidden = torch.randn(5, 64, dtype=torch.bfloat16)
+    tokens = torch.tensor([2, 7, 40, 200])
+    for head in (DraftLMHead.build(lm_head), DraftLMHead.build(lm_head, tokens)):
+        assert head.packed is not None
+        assert torch.equal(head.logits(hidden), hidden @ head.weight_t)
+    assert DraftLMHead.build(lm_head.float()).packed is None  # fp32 keeps the transposed product

@@ -94,3 +94,24 @@ def test_no_head_tensor_is_made_off_the_target_device(
     assert result.token_ids == expected.token_ids
     assert copies.count == 0
     assert max(step.tree_size for step in result.steps) > 1
+
+
+def test_a_head_on_a_bf16_target_is_packed_like_the_target(tiny_llama: Target, checkpoints) -> None:
+    from jetflow.core.packed_weights import is_packed, packing_unavailable, unpacked
+    from jetflow.drafters.jetflow.plugin import BlockHeadParams, JetFlowDrafter
+    from torch import nn
+
+    from ..conftest import make_tiny_target
+
+    target = make_tiny_target("llama")  # the weights of tiny_llama, which the checkpoints are for
+    target = Target(target.model.to(torch.bfloat16), target.tokenizer, target.name)
+    if packing_unavailable(target.model) is not None:
+        pytest.skip(f"no packing here: {packing_unavailable(target.model)}")
+    drafter = JetFlowDrafter(BlockHeadParams(checkpoint=checkpoints["jetflow"]), target)
+    linears = [m for m in drafter.head.modules() if type(m) is nn.Linear]
+    assert linears and all(is_packed(m) for m in linears) and drafter.lm.packed is not None
+    hidden = torch.randn(3, target.config.hidden_size, dtype=torch.bfloat16)
+    square = [m for m in linears if m.in_features == hidden.shape[1]]
+    with unpacked(drafter.head):
+        plain = [m(hidden) for m in square]
+    assert square and all(torch.equal(m(hidden), p) for m, p in zip(square, plain, strict=True))
