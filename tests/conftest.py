@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from jetflow.core.precision import DEVICE_VARIABLE, default_device
-from jetflow.core.target import Target
+from jetflow.core.target import Target, cache_root
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
@@ -77,6 +77,22 @@ def make_tiny_target(architecture: str = "llama", seed: int = 0) -> Target:
     # the CPU, unless JETFLOW_DEVICE names another device (`make gpu-check` runs these on CUDA)
     device = default_device() if os.environ.get(DEVICE_VARIABLE) else torch.device("cpu")
     return Target(model.to(device), tiny_tokenizer(), f"tiny-{architecture}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_jetflow_cache(tmp_path_factory):
+    """The test session's own jetflow cache: no test reads the user's calibrations (which would
+    choose budgets, or the compiled target, behind a test's back) or writes into them. Only the
+    derived data keyed by its content is shared: the de-quantised targets and the feature caches."""
+    user = cache_root()
+    private = tmp_path_factory.mktemp("jetflow-cache")
+    for shared in ("targets", "features"):
+        (user / shared).mkdir(parents=True, exist_ok=True)
+        (private / shared).symlink_to(user / shared, target_is_directory=True)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("JETFLOW_CACHE", str(private))
+    yield private
+    patch.undo()
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
