@@ -106,13 +106,7 @@ def resolve_budget(
     """
     if isinstance(requested, int):
         return requested, "fixed", None
-    try:
-        calibration = load_calibration(key)
-    except ConfigError as error:
-        if requested == "auto":
-            raise
-        log.warning("ignoring the cached calibration: %s", error)
-        calibration = None
+    calibration = load_calibration(key) if requested == "auto" else _usable(key)
     if calibration is not None:
         log.info("budget %d from calibration: %s", calibration.budget, calibration.reason())
         return calibration.budget, "calibrated", calibration

@@ -202,11 +202,11 @@ class DraftLMHead:
     @classmethod
     def build(cls, lm_head: nn.Module, tokens: Tensor | None = None) -> DraftLMHead:
         weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
+        bias = None if bias is None else bias.detach()
         if tokens is not None:
             tokens = tokens.to(weight.device)
             weight = weight[tokens]
-            bias = None if bias is None else bias.detach()[tokens]
-        bias = None if bias is None else bias.detach()
+            bias = None if bias is None else bias[tokens]
         return cls(weight.T.contiguous(), bias, tokens, packed_or_plain(weight, bias))
 
     @property
