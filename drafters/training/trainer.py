@@ -19,12 +19,14 @@ Output folder::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import shutil
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from jetflow.core.config import build_config, load_toml, merge
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
+from jetflow.core.precision import resolve_dtype
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
 from jetflow.drafters.checkpoint import (
     CheckpointInfo,
@@ -100,6 +103,13 @@ class TrainConfig(_Frozen):
     loss_chunk_rows: int = Field(1024, ge=1, description="rows per LM-head chunk (bounds memory)")
     seed: int = 0
     ship_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "dtype of the head's matrix products in training steps (autocast; the weights, the "
+            "optimiser, the teacher and evaluation stay fp32); auto: bf16 where it is native"
+        ),
+    )
 
     @classmethod
     def from_toml(
@@ -199,6 +209,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, config.optim, config.steps)
         )
+        device = shared.lm_head.weight.device
+        #: compute dtype of the training steps (the autocast dtype; fp32 means no autocast)
+        self.compute_dtype = resolve_dtype(config.precision, device)
         self.step = 0
         self._prior_s, self._started = 0.0, None  # see train_s
         self._epoch_order: tuple[int, Tensor] | None = None  # (epoch, permutation of train_ids)
@@ -284,9 +297,11 @@ class Trainer:
         the target's distribution renormalised onto it.
         """
         unique, inverse = self._teacher_positions(batch, preds)
-        with torch.no_grad():
-            logits = self.lm.logits(batch.final.flatten(0, 1)[unique]).float()
-            return F.log_softmax(logits / temperature, dim=-1), inverse
+        with torch.no_grad(), torch.autocast(batch.final.device.type, enabled=False):
+            logits = self.lm.logits(batch.final.flatten(0, 1)[unique].float())
+            if temperature != 1.0:
+                logits = logits / temperature
+            return F.log_softmax(logits, dim=-1), inverse
 
     @staticmethod
     def _teacher_positions(batch: ExampleBatch, preds: Predictions) -> tuple[Tensor, Tensor]:
@@ -463,8 +478,9 @@ class Trainer:
         """
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.step)
         batch = self._batch(self._sequence_ids(self.step), generator, shard=True)
-        preds = self.head.training_predictions(batch, self.shared)
-        total, weight = self._loss_terms(batch, preds)
+        with self._autocast():
+            preds = self.head.training_predictions(batch, self.shared)
+            total, weight = self._loss_terms(batch, preds)
         positions = torch.tensor(float(preds.hidden.shape[0]), device=total.device)
         sums = self.parallel.sum_(torch.stack([total.detach(), weight.detach(), positions]))
         loss = total / sums[1].clamp(min=1e-9)
@@ -483,6 +499,19 @@ class Trainer:
             "lr": lr,
             "positions": int(sums[2]),
         }
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        """Mixed precision for a training step: matrix products in ``compute_dtype``.
+
+        Norms then see bf16 inputs with fp32 weights, which torch computes correctly on its
+        unfused path and warns about on every call; the warning is silenced here only.
+        """
+        device = self.shared.lm_head.weight.device
+        enabled = self.compute_dtype != torch.float32
+        with warnings.catch_warnings(), torch.autocast(device.type, self.compute_dtype, enabled=enabled):
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+            yield
 
     def fit(self, resume: bool = False, target=None) -> TrainResult:
         """Train to ``config.steps``, evaluating, logging and checkpointing on the way.

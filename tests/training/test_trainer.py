@@ -42,6 +42,25 @@ def test_every_loss_trains(tiny_llama, tmp_path, kind: str) -> None:
     assert trainer.fit().evaluation["eval_loss"] < before
 
 
+@pytest.mark.parametrize(
+    ("precision", "step_dtype"), [("bfloat16", torch.bfloat16), ("float32", torch.float32)]
+)
+def test_precision_sets_the_dtype_of_training_products_only(
+    tiny_llama, tmp_path, precision: str, step_dtype: torch.dtype
+) -> None:
+    trainer = quick_trainer(tiny_llama, tmp_path, steps=12, precision=precision)
+    products: list[torch.dtype] = []
+    trainer.head.fusion.proj.register_forward_hook(lambda module, args, out: products.append(out.dtype))
+    before = trainer.evaluate()["eval_loss"]
+    assert set(products) == {torch.float32}, "evaluation multiplies in fp32"
+    products.clear()
+    trainer.train_step()
+    assert set(products) == {step_dtype}
+    after = trainer.fit().evaluation["eval_loss"]
+    assert after < before
+    assert all(p.dtype == torch.float32 for p in trainer.head.parameters()), "master weights stay fp32"
+
+
 def test_a_draft_vocabulary_is_chosen_from_response_frequencies(tiny_llama, tmp_path) -> None:
     from jetflow.drafters.training.examples import response_token_counts
 

@@ -27,6 +27,14 @@ def test_forward_kl_is_t_squared_kl_of_softened_distributions() -> None:
     assert torch.allclose(forward_kl(teacher, F.log_softmax(teacher, -1), 1.0), torch.zeros(4), atol=1e-6)
 
 
+def test_forward_kl_gradient_is_student_softmax_minus_teacher() -> None:
+    torch.manual_seed(2)
+    student = torch.randn(5, 12, requires_grad=True)
+    teacher_logprobs = F.log_softmax(torch.randn(5, 12), dim=-1)
+    (gradient,) = torch.autograd.grad(forward_kl(student, teacher_logprobs, 1.0).sum(), student)
+    torch.testing.assert_close(gradient, F.softmax(student, -1) - teacher_logprobs.exp())
+
+
 def test_reverse_kl_swaps_the_arguments() -> None:
     torch.manual_seed(1)
     student, teacher = torch.randn(3, 8), torch.randn(3, 8)
