@@ -17,6 +17,8 @@ from jetflow.drafters.training.corpus import (
     Corpus,
     combined_stats,
     corpus_dir_for,
+    default_eval_corpus_dir,
+    heldout_dir,
     second_turn_dir,
     training_corpus_dirs,
 )
@@ -28,6 +30,9 @@ from jetflow.drafters.training.regenerate import (
     regenerate,
     select_prompts,
 )
+
+#: the one benchmark set regeneration answers: into the evaluation corpus ``<name>-heldout``
+HELDOUT_SOURCE = "sharegpt-heldout"
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -50,7 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument(
         "--target", default="default", help="'default', a folder, a .gguf file or a cached hub id"
     )
-    regen.add_argument("--source", default="sharegpt", help="sharegpt, or file:PATH.jsonl of prompts")
+    regen.add_argument(
+        "--source",
+        default="sharegpt",
+        help=f"sharegpt, file:PATH.jsonl of prompts, or {HELDOUT_SOURCE} (evaluation corpus <name>-heldout)",
+    )
     regen.add_argument(
         "--n",
         type=int,
@@ -90,7 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     regen.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy machine)")
 
     feats = actions.add_parser("features", help="(re)build the feature cache of a corpus by teacher forcing")
-    corpus_help = "corpus folder, repeatable (default: the training corpora, first and second turns)"
+    corpus_help = (
+        "corpus folder, repeatable (default: the training corpora, first and second turns; "
+        "features: and the held-out evaluation corpus)"
+    )
     feats.add_argument("--corpus", type=Path, action="append", help=corpus_help)
     feats.add_argument("--target", default="default")
     feats.add_argument("--dtype", choices=dtypes, default="auto")
@@ -125,11 +137,18 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--n, --max-new-tokens, --max-prompt-tokens, --batch-size and --shard-size must be positive"
         )
-    if args.source in datasets.BENCHMARK_NAMES:
-        raise ConfigError(f"--source {args.source!r} is a benchmark set; training data must never contain it")
+    heldout = args.source == HELDOUT_SOURCE
+    if args.source in datasets.BENCHMARK_NAMES and not (heldout and args.turn == 1):
+        raise ConfigError(
+            f"--source {args.source!r} is a benchmark set; training data must never contain it "
+            f"(first turns of {HELDOUT_SOURCE!r} make the evaluation corpus, which training refuses)"
+        )
     if args.turn == 2:
         return _regenerate_second_turns(args)
-    samples, source_info = _training_samples(args.source)
+    if heldout:
+        samples, source_info = datasets.load_sharegpt_heldout(), {"split": HELDOUT_SOURCE}
+    else:
+        samples, source_info = _training_samples(args.source)
     target = _load_target(args)
     max_prompt_tokens = args.max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS
     selection = select_prompts(
@@ -137,10 +156,12 @@ def _regenerate(args: argparse.Namespace) -> int:
         target.encode_prompt,
         args.n,
         max_prompt_tokens=max_prompt_tokens,
-        exclude=datasets.benchmark_prompt_texts(),
+        exclude=set() if heldout else datasets.benchmark_prompt_texts(),
     )
     layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
     out = args.out or corpus_dir_for(target.name)
+    if heldout and not args.out:
+        out = heldout_dir(out)
     corpus = regenerate(
         target,
         selection.prompts,
@@ -212,13 +233,17 @@ def _print_summary(out: Path, corpus: Corpus | None) -> None:
     )
 
 
-def _corpora(args: argparse.Namespace) -> list[Corpus]:
-    """The ``--corpus`` folders, else every corpus the trainer reads by default."""
-    return [Corpus(folder) for folder in (args.corpus or training_corpus_dirs())]
+def _corpora(args: argparse.Namespace, with_eval: bool = False) -> list[Corpus]:
+    """The ``--corpus`` folders, else every corpus the trainer reads by default (``with_eval``:
+    its held-out evaluation corpus too, where one exists)."""
+    if args.corpus:
+        return [Corpus(folder) for folder in args.corpus]
+    evaluation = default_eval_corpus_dir() if with_eval else None
+    return [Corpus(folder) for folder in [*training_corpus_dirs(), *([evaluation] if evaluation else [])]]
 
 
 def _features(args: argparse.Namespace) -> int:
-    corpora = _corpora(args)
+    corpora = _corpora(args, with_eval=True)
     target = _load_target(args)
     layers = args.layers or default_feature_layers(target.num_layers)
     for corpus in corpora:

@@ -11,6 +11,7 @@ import argparse
 import json
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 from jetflow.core.config import merge
 from jetflow.core.errors import ConfigError, DataError
@@ -76,13 +77,16 @@ def run(args: argparse.Namespace) -> int:
     head = drafter_cls.new_head(target, config.head)
     layers = tuple(head.config.feature_layers)
     store = _open_store(config.corpus, config.features, layers, target)
+    eval_folder = config.eval_corpus or _default_eval_corpus(config.corpus)
+    eval_store = _open_store(str(eval_folder), None, layers, target, purpose="eval") if eval_folder else None
     info = CheckpointInfo(
         drafter=args.drafter,
         architecture=head.config.model_dump(mode="json"),
         target=target_record(target, layers),
     )
     parallel = DataParallel.from_env(target.device)  # under torchrun: one process of several
-    trainer = Trainer(config, head, FrozenTargetParts.from_target(target), store, info, parallel=parallel)
+    shared = FrozenTargetParts.from_target(target)
+    trainer = Trainer(config, head, shared, store, info, parallel=parallel, eval_store=eval_store)
     result = trainer.fit(resume=args.resume, target=target)
     parallel.close()
     if not parallel.is_main:
@@ -129,10 +133,26 @@ def _shipped_config(drafter_cls) -> Path:
     return Path(path)
 
 
+def _default_eval_corpus(corpus_dirs: str | list[str] | None) -> Path | None:
+    """The held-out sibling of the first training corpus, where it has been regenerated."""
+    from jetflow.drafters.training.corpus import default_eval_corpus_dir
+
+    first = corpus_dirs if isinstance(corpus_dirs, str) else (corpus_dirs or [None])[0]
+    return default_eval_corpus_dir(Path(first) if first else None)
+
+
 def _open_store(
-    corpus_dirs: str | list[str] | None, features_dir: str | None, layers: tuple[int, ...], target
+    corpus_dirs: str | list[str] | None,
+    features_dir: str | None,
+    layers: tuple[int, ...],
+    target,
+    purpose: Literal["train", "eval"] = "train",
 ):
-    """The feature caches of the corpora for ``layers`` (one store), checked against ``target``."""
+    """The feature caches of the corpora for ``layers`` (one store), checked against ``target``.
+
+    A corpus regenerated from a benchmark set (the held-out split) is refused for training.
+    """
+    from jetflow.bench.datasets import BENCHMARK_NAMES
     from jetflow.drafters.training.corpus import Corpus, training_corpus_dirs
     from jetflow.drafters.training.examples import ConcatStore
     from jetflow.drafters.training.features import FeatureStore
@@ -142,7 +162,14 @@ def _open_store(
     folders = [Path(c) for c in corpus_dirs] if corpus_dirs else training_corpus_dirs()
     if features_dir and len(folders) > 1:
         raise ConfigError("features names the cache of one corpus; with several corpora leave it unset")
-    stores = [FeatureStore(Corpus(f), layers, Path(features_dir) if features_dir else None) for f in folders]
+    corpora = [Corpus(f) for f in folders]
+    for corpus in corpora:
+        if purpose == "train" and corpus.manifest.get("source") in BENCHMARK_NAMES:
+            raise ConfigError(
+                f"corpus {corpus.path} answers the benchmark set {corpus.manifest['source']!r}: "
+                "it is for evaluation (eval_corpus), never for training"
+            )
+    stores = [FeatureStore(c, layers, Path(features_dir) if features_dir else None) for c in corpora]
     for store in stores:
         made_by = (store.manifest.get("target") or {}).get("fingerprint")
         if made_by is not None and made_by != target.fingerprint():

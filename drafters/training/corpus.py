@@ -59,6 +59,23 @@ def second_turn_dir(first_turn_dir: Path) -> Path:
     return first_turn_dir.with_name(first_turn_dir.name + SECOND_TURN_SUFFIX)
 
 
+#: the evaluation corpus of a first-turn corpus is its sibling ``<name>-heldout``: the target's
+#: answers to the held-out ShareGPT split, read by the trainer's evaluation and never trained on
+HELDOUT_SUFFIX = "-heldout"
+
+
+def heldout_dir(first_turn_dir: Path) -> Path:
+    """Where the held-out evaluation corpus beside the corpus at ``first_turn_dir`` lives."""
+    first_turn_dir = Path(first_turn_dir)
+    return first_turn_dir.with_name(first_turn_dir.name + HELDOUT_SUFFIX)
+
+
+def default_eval_corpus_dir(first_turn_dir: Path | None = None) -> Path | None:
+    """The held-out corpus the trainer evaluates on by default, if it has been regenerated."""
+    folder = heldout_dir(Path(first_turn_dir) if first_turn_dir else default_corpus_dir())
+    return folder if (folder / MANIFEST_NAME).exists() else None
+
+
 def training_corpus_dirs(first_turn_dir: Path | None = None) -> list[Path]:
     """The corpora a head trains on by default: the first turns (default: the default target's),
     then their second turns when that corpus exists."""

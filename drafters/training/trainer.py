@@ -92,7 +92,16 @@ class TrainConfig(_Frozen):
     steps: int = Field(1000, ge=1)
     batch_sequences: int = Field(4, ge=1, description="sequences per optimiser step")
     anchors_per_sequence: int = Field(64, ge=1, description="random anchors drawn per sequence")
-    holdout_sequences: int = Field(32, ge=0, description="sequences held out for evaluation")
+    holdout_sequences: int = Field(
+        32, ge=0, description="sequences evaluated on: of eval_corpus, else held out of the training data"
+    )
+    eval_corpus: str | None = Field(
+        None,
+        description=(
+            "corpus folder evaluated on (never trained on); default: the first corpus's `-heldout` "
+            "sibling where it exists, else holdout_sequences drawn from the training data"
+        ),
+    )
     max_sequences: int | None = Field(
         None, ge=2, description="use only the first N sequences (fixed-data ablations); None: all"
     )
@@ -174,6 +183,7 @@ class Trainer:
         progress: bool = True,
         loss_fn: LossFn = position_losses,
         parallel: DataParallel | None = None,
+        eval_store: SequenceStore | None = None,
     ) -> None:
         self.config = config
         self.parallel = parallel or DataParallel()
@@ -185,6 +195,8 @@ class Trainer:
         self.head = head
         self.shared = shared
         self.store = store
+        #: where evaluation reads: a separate held-out store, or the training store's held-out ids
+        self.eval_store = eval_store if eval_store is not None else store
         self.info = info
         head.to(shared.lm_head.weight.device)
         self.out = Path(out or config.out)
@@ -226,8 +238,16 @@ class Trainer:
             )
 
     def _split(self) -> tuple[Tensor, Tensor]:
-        """A fixed held-out set (independent of the training seed) and the rest for training."""
+        """Training ids and evaluation ids, both fixed (independent of the training seed).
+
+        With a separate evaluation store, every training sequence trains and evaluation reads
+        its first ``holdout_sequences``: runs on different amounts of data share one yardstick.
+        """
         n = min(len(self.store), self.config.max_sequences or len(self.store))
+        if n < 1:
+            raise ConfigError("the training data holds no sequences")
+        if self.eval_store is not self.store:
+            return torch.arange(n), torch.arange(min(self.config.holdout_sequences, len(self.eval_store)))
         holdout = min(self.config.holdout_sequences, n // 2)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(1234))
         if n - holdout < 1:
@@ -269,13 +289,20 @@ class Trainer:
             ids.append(int(self.train_ids[self._epoch_order[1][offset]]))
         return ids
 
-    def _batch(self, ids: list[int], generator: torch.Generator, shard: bool = False) -> ExampleBatch:
-        """The batch of sequences ``ids``; with ``shard``, only this process's share of them.
+    def _batch(
+        self,
+        ids: list[int],
+        generator: torch.Generator,
+        shard: bool = False,
+        store: SequenceStore | None = None,
+    ) -> ExampleBatch:
+        """The batch of sequences ``ids`` of ``store`` (default: the training store); with
+        ``shard``, only this process's share of them.
 
         Anchors are drawn for every sequence of ``ids`` in order, so a sequence gets the
         same anchors whichever process trains on it.
         """
-        records = [self.store.sequence(i) for i in ids]
+        records = [(store or self.store).sequence(i) for i in ids]
         anchors = [
             sample_anchors(
                 prompt, tokens.shape[0], features.shape[0], self.config.anchors_per_sequence, generator
@@ -357,7 +384,9 @@ class Trainer:
         generator = torch.Generator().manual_seed(4321)
         size = self.config.batch_sequences
         for start in range(0, len(self.eval_ids), size):
-            batch = self._batch([int(i) for i in self.eval_ids[start : start + size]], generator)
+            batch = self._batch(
+                [int(i) for i in self.eval_ids[start : start + size]], generator, store=self.eval_store
+            )
             preds = self.head.training_predictions(batch, self.shared)
             if preds.hidden.shape[0] == 0:
                 continue
@@ -398,6 +427,8 @@ class Trainer:
         """The checkpoint description: ``info`` plus the recipe, the data summary and progress."""
         data = self.info.data or dict(getattr(self.store, "manifest", None) or {})
         data = data | {"train_sequences": len(self.train_ids), "holdout_sequences": len(self.eval_ids)}
+        if self.eval_store is not self.store:
+            data["eval_corpus"] = (getattr(self.eval_store, "manifest", None) or {}).get("corpus")
         data = data | self.vocab_summary
         recipe = self.config.model_dump(mode="json")
         return replace(self.info, recipe=recipe, data=data, state={"step": self.step, **state})

@@ -73,7 +73,12 @@ def quick_config(**overrides) -> TrainConfig:
 
 
 def quick_trainer(
-    target: Target, out: Path, head: BlockHead | None = None, drafter: str = "jetflow", **overrides
+    target: Target,
+    out: Path,
+    head: BlockHead | None = None,
+    drafter: str = "jetflow",
+    eval_store: InMemoryStore | None = None,
+    **overrides,
 ) -> Trainer:
     head = head or tiny_head(target)
     store = regenerated_store(target)
@@ -85,6 +90,7 @@ def quick_trainer(
         head_info(target, head, drafter),
         out=out,
         progress=False,
+        eval_store=eval_store,
     )
 
 

@@ -11,7 +11,7 @@ from jetflow.core.errors import CheckpointMismatchError, ConfigError
 from jetflow.drafters.checkpoint import load_checkpoint, read_checkpoint
 from jetflow.drafters.training.trainer import OptimConfig, TrainConfig, lr_factor
 
-from tests.drafters.tiny_heads import quick_trainer, tiny_head
+from tests.drafters.tiny_heads import quick_trainer, regenerated_store, tiny_head
 
 
 def test_training_lowers_the_loss_and_raises_per_depth_agreement(tiny_llama, tmp_path) -> None:
@@ -59,6 +59,30 @@ def test_precision_sets_the_dtype_of_training_products_only(
     after = trainer.fit().evaluation["eval_loss"]
     assert after < before
     assert all(p.dtype == torch.float32 for p in trainer.head.parameters()), "master weights stay fp32"
+
+
+def test_a_separate_eval_store_is_one_yardstick_for_every_data_size(tiny_llama, tmp_path) -> None:
+    heldout = regenerated_store(tiny_llama, n=12, seed=1)
+    small = quick_trainer(
+        tiny_llama, tmp_path / "small", eval_store=heldout, max_sequences=20, holdout_sequences=8
+    )
+    full = quick_trainer(tiny_llama, tmp_path / "full", eval_store=heldout, holdout_sequences=8)
+    assert small.train_ids.tolist() == list(range(20)), "every training sequence trains"
+    assert full.train_ids.tolist() == list(range(48))
+    assert small.eval_ids.tolist() == full.eval_ids.tolist() == list(range(8))
+
+    same_head = quick_trainer(tiny_llama, tmp_path / "own", holdout_sequences=8)  # its own held-out split
+    assert small.evaluate() == full.evaluate(), "same weights, same yardstick"
+    assert same_head.evaluate() != small.evaluate()
+    other = quick_trainer(
+        tiny_llama,
+        tmp_path / "other",
+        eval_store=regenerated_store(tiny_llama, n=12, seed=2),
+        holdout_sequences=8,
+    )
+    assert other.evaluate() != small.evaluate(), "evaluation reads the eval store"
+    info, _ = read_checkpoint(small.fit().final_checkpoint)
+    assert info.data["holdout_sequences"] == 8 and "eval_corpus" in info.data
 
 
 def test_a_draft_vocabulary_is_chosen_from_response_frequencies(tiny_llama, tmp_path) -> None:
