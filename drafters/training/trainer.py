@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, Self
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.training.distributed import DataParallel
 from jetflow.drafters.training.examples import SequenceStore, collate, response_token_counts, sample_anchors
 from jetflow.drafters.training.losses import LossConfig, depth_weights, position_losses
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -63,7 +63,12 @@ class _Frozen(BaseModel):
 
 
 class OptimConfig(_Frozen):
-    """AdamW with linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
+    """AdamW with linear warm-up, then a decay to ``min_lr_ratio * lr`` by the last step.
+
+    ``cosine`` decays over the whole run. ``wsd`` (warm-up, stable, decay) holds the peak rate
+    and decays linearly over the last ``decay_steps`` only: a run can be judged converged at
+    the stable rate, and extended with ``--steps`` across sessions, before it anneals.
+    """
 
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -71,6 +76,14 @@ class OptimConfig(_Frozen):
     warmup_steps: int = Field(50, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_steps: int = Field(0, ge=0, description="wsd: steps of the final linear decay")
+
+    @model_validator(mode="after")
+    def _decay_is_given(self) -> Self:
+        if self.schedule == "wsd" and self.decay_steps < 1:
+            raise ValueError("the wsd schedule needs decay_steps >= 1")
+        return self
 
 
 class TrainConfig(_Frozen):
@@ -165,8 +178,13 @@ def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:
     """Multiplier of the base learning rate at ``step`` (0-based)."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
+    floor = config.min_lr_ratio
+    if config.schedule == "wsd":
+        decay_start = max(total_steps - config.decay_steps, config.warmup_steps)
+        progress = min(max(step - decay_start, 0) / max(total_steps - decay_start, 1), 1.0)
+        return floor + (1 - floor) * (1 - progress)
     progress = min((step - config.warmup_steps) / max(total_steps - config.warmup_steps, 1), 1.0)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class Trainer:

@@ -154,6 +154,16 @@ def test_learning_rate_warms_up_then_decays_by_cosine() -> None:
     assert all(a >= b for a, b in itertools.pairwise(factors[10:]))
 
 
+def test_the_wsd_schedule_holds_the_peak_rate_then_decays_linearly() -> None:
+    config = OptimConfig(warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_steps=20)
+    factors = [lr_factor(step, config, total_steps=110) for step in range(111)]
+    assert factors[9] == pytest.approx(1.0) and set(factors[10:91]) == {1.0}
+    assert factors[100] == pytest.approx(0.55) and factors[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(factors[10:]))
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig(schedule="wsd")
+
+
 def test_a_store_of_other_layers_is_refused(tiny_llama, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"holds layers \[1, 2, 3\], but the head reads \[1, 2\]"):
         quick_trainer(tiny_llama, tmp_path, head=tiny_head(tiny_llama, feature_layers=(1, 2)))
