@@ -74,7 +74,8 @@ SCALING_CORPUS_AT ?= 3e2d73d
 SCALING_SNAPSHOT  = runs/scaling/snapshot
 SCALING_CORPUS    = $(SCALING_SNAPSHOT)/drafters/training/corpora/SmolLM2-135M-Instruct
 SCALING_EVAL      = drafters/training/corpora/SmolLM2-135M-Instruct-heldout
-SCALING_ARMS      = layers-1 data-3k layers-2 layers-3 layers-1-init layers-2-init tokens
+SCALING_ARMS      = layers-1 data-3k layers-2 layers-2-init layers-3 tokens plain-slots layers-1-init \
+	depth-decay
 SCALING_TRAIN     = --threads 1 --resume --steps 2000 --corpus $(SCALING_CORPUS) \
 	--corpus $(SCALING_CORPUS)-turn2 --set eval_corpus=$(SCALING_EVAL) --set holdout_sequences=128 \
 	--set eval_every=250 --set checkpoint_every=250
@@ -84,6 +85,8 @@ SCALING_SET_layers-3      = --set head.num_layers=3
 SCALING_SET_layers-1-init = --set head.init_from_target=true
 SCALING_SET_layers-2-init = --set head.num_layers=2 --set head.init_from_target=true
 SCALING_SET_tokens        = --set head.context_tokens=true
+SCALING_SET_plain-slots   = --set head.anchored_slots=false   # what vLLM's DFlash class can serve
+SCALING_SET_depth-decay   = --set loss.depth_decay=3.0         # favour the depths a CPU tree reaches
 .PHONY: scaling scaling-data
 scaling-data: $(SCALING_CORPUS)/manifest.json
 $(SCALING_CORPUS)/manifest.json:
