@@ -9,7 +9,7 @@ from jetflow.bench.runner import turn_prompt_ids
 from jetflow.core.errors import DataError
 from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
-from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, second_turn_dir
+from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, heldout_dir, second_turn_dir
 from jetflow.drafters.training.features import FeatureStore
 
 pytestmark = pytest.mark.integration
@@ -87,6 +87,30 @@ def test_second_turns_follow_the_first_answers_as_the_benchmark_builds_turn_two(
     tokens, prompt_length = second_turns.sequence(0)
     assert tuple(tokens[:prompt_length].tolist()) == expected
     new_tokens = second_turns.manifest["settings"]["max_new_tokens"]
+    with torch.inference_mode():
+        out = real_target.model.generate(
+            tokens[None, :prompt_length], max_new_tokens=new_tokens, do_sample=False
+        )
+    assert out[0, prompt_length:].tolist() == tokens[prompt_length:].tolist()
+
+
+def test_the_evaluation_corpus_answers_held_out_conversations_only(
+    corpus: Corpus, real_target: Target
+) -> None:
+    """Every conversation of ``<name>-heldout`` is in the held-out split and in no training corpus."""
+    folder = heldout_dir(corpus.path)
+    if not (folder / "manifest.json").exists():
+        pytest.skip(f"no committed evaluation corpus at {folder}")
+    heldout = Corpus(folder)
+    training = set(corpus.ids)
+    second = second_turn_dir(corpus.path)
+    if (second / "manifest.json").exists():
+        training |= set(Corpus(second).ids)
+    assert heldout.manifest["source"] == "sharegpt-heldout"
+    assert set(heldout.ids) <= {s.id for s in datasets.load_sharegpt_heldout()}
+    assert not set(heldout.ids) & training
+    tokens, prompt_length = heldout.sequence(0)
+    new_tokens = heldout.manifest["settings"]["max_new_tokens"]
     with torch.inference_mode():
         out = real_target.model.generate(
             tokens[None, :prompt_length], max_new_tokens=new_tokens, do_sample=False
