@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     target = Target.load(config.target, dtype=resolve_dtype("float32"))
     head = drafter_cls.new_head(target, config.head)
     layers = tuple(head.config.feature_layers)
-    store = _open_store(config.corpus, config.features, layers, target)
+    store = _open_store(config.corpus, config.features, layers, target, limit=config.max_sequences)
     eval_folder = config.eval_corpus or _default_eval_corpus(config.corpus)
     eval_store = _open_store(str(eval_folder), None, layers, target, purpose="eval") if eval_folder else None
     info = CheckpointInfo(
@@ -147,10 +147,13 @@ def _open_store(
     layers: tuple[int, ...],
     target,
     purpose: Literal["train", "eval"] = "train",
+    limit: int | None = None,
 ):
     """The feature caches of the corpora for ``layers`` (one store), checked against ``target``.
 
     A corpus regenerated from a benchmark set (the held-out split) is refused for training.
+    With ``limit``, only the first ``limit`` sequences are read (corpora past them are not
+    opened), so only their features need to exist.
     """
     from jetflow.bench.datasets import BENCHMARK_NAMES
     from jetflow.drafters.training.corpus import Corpus, training_corpus_dirs
@@ -169,7 +172,12 @@ def _open_store(
                 f"corpus {corpus.path} answers the benchmark set {corpus.manifest['source']!r}: "
                 "it is for evaluation (eval_corpus), never for training"
             )
-    stores = [FeatureStore(c, layers, Path(features_dir) if features_dir else None) for c in corpora]
+    stores = []
+    for corpus in corpora:
+        remaining = None if limit is None else limit - sum(len(store) for store in stores)
+        if remaining is not None and remaining < 1:
+            break
+        stores.append(FeatureStore(corpus, layers, Path(features_dir) if features_dir else None, remaining))
     for store in stores:
         made_by = (store.manifest.get("target") or {}).get("fingerprint")
         if made_by is not None and made_by != target.fingerprint():

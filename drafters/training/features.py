@@ -158,9 +158,14 @@ class FeatureStore:
     feature shard, saying which command fills the cache.
     """
 
-    def __init__(self, corpus: Corpus, layers: Sequence[int], folder: Path | None = None) -> None:
+    def __init__(
+        self, corpus: Corpus, layers: Sequence[int], folder: Path | None = None, limit: int | None = None
+    ) -> None:
+        """``limit``: read only the first ``limit`` sequences, so only their shards need features."""
         self.corpus = corpus
         self.layers = tuple(layers)
+        self._length = len(corpus) if limit is None else min(len(corpus), limit)
+        n_shards = corpus.locate(self._length - 1)[0] + 1 if self._length else 0
         self.folder = Path(folder) if folder else _find_cache(corpus.name, self.layers)
         manifest = _read_manifest(self.folder)
         # never written, or without some of the layers asked for
@@ -181,7 +186,7 @@ class FeatureStore:
         self.manifest["feature_layers"] = list(self.layers)
         stale = [
             i
-            for i, record in enumerate(corpus.manifest["shards"])
+            for i, record in enumerate(corpus.manifest["shards"][:n_shards])
             if manifest["shards"].get(str(i), {}).get("tokens_sha256") != record["tokens_sha256"]
         ]
         if stale:
@@ -189,7 +194,7 @@ class FeatureStore:
                 f"{self.folder}: features missing or stale for corpus shards {stale[:8]}"
                 f"{'...' if len(stale) > 8 else ''}: run `jetflow data features --corpus {corpus.path}`"
             )
-        self._arrays = [self._open_shard(i) for i in range(len(corpus.shards))]
+        self._arrays = [self._open_shard(i) for i in range(n_shards)]
 
     def _open_shard(self, index: int) -> tuple[np.ndarray, np.ndarray, Tensor]:
         """Map one shard's two arrays and derive its row offsets (``T_i - 1`` rows per sequence)."""
@@ -214,13 +219,15 @@ class FeatureStore:
         return arrays[0], arrays[1], row_offsets
 
     def __len__(self) -> int:
-        return len(self.corpus)
+        return self._length
 
     def sequence(self, i: int) -> tuple[Tensor, int, Tensor, Tensor]:
         """``tokens [T]`` int64, prompt length, ``features [T-1, k, H]`` and ``final [T-1, H]`` fp16.
 
         Row ``t`` of the states belongs to token ``t``; ``lm_head(final[t])`` predicts token ``t + 1``.
         """
+        if not 0 <= i < self._length:
+            raise IndexError(f"sequence {i} out of range for a store of {self._length}")
         s, j = self.corpus.locate(i)
         shard = self.corpus.shards[s]
         features, final, rows = self._arrays[s]

@@ -111,6 +111,12 @@ def test_feature_store_refuses_missing_and_truncated_shards(tmp_path: Path) -> N
     broken.write_bytes(broken.read_bytes()[:-10])
     with pytest.raises(DataError, match=r"shard-00001\.final\.npy"):
         FeatureStore(corpus, layers, tmp_path / "f")
+    first = FeatureStore(corpus, layers, tmp_path / "f", limit=2)  # the first shard is all it reads
+    assert len(first) == 2 and first.sequence(1)[0].tolist() == corpus.sequence(1)[0].tolist()
+    with pytest.raises(IndexError):
+        first.sequence(2)
+    with pytest.raises(DataError, match=r"shard-00001\.final\.npy"):
+        FeatureStore(corpus, layers, tmp_path / "f", limit=3)
 
 
 def _sample(i: int, text: str) -> Sample:

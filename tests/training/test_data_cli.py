@@ -74,5 +74,8 @@ def test_the_heldout_split_makes_an_evaluation_corpus_that_training_refuses(
     with pytest.raises(ConfigError, match="never for training"):
         train_cli._open_store(str(out), None, (1, 2), target)
     assert len(train_cli._open_store(str(out), None, (1, 2), target, purpose="eval")) == 2
+    twice = [str(out), str(out)]
+    assert len(train_cli._open_store(twice, None, (1, 2), target, purpose="eval")) == 4
+    assert len(train_cli._open_store(twice, None, (1, 2), target, purpose="eval", limit=1)) == 1
     assert main([*argv, "--turn", "2"]) == 2
     assert "benchmark set" in capsys.readouterr().err
