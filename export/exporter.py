@@ -2,8 +2,9 @@
 
 The head is loaded through the drafter plugin (the same checkpoint lookup and target check
 as decoding), so what is exported is what jetflow measured. A block head (``jetflow``,
-``dflash``) becomes a DFlash folder; jetflow's EAGLE head has a layout vLLM's Eagle3 class
-does not share and is refused with the differences named.
+``dflash``) becomes a DFlash folder, an EAGLE head in the ``eagle3`` layout an Eagle3 folder;
+the shipped EAGLE head's ``jetflow`` layout is one vLLM's Eagle3 class does not share and is
+refused with the differences named.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from jetflow.core.registry import Registry, default_registry
 from jetflow.core.target import DEFAULT_TARGET, Target, embedded_default_folder
 from jetflow.drafters.block_head import BlockHead
 from jetflow.drafters.eagle.head import EagleHead
-from jetflow.export.compat import NotExportableError, eagle3_differences
-from jetflow.export.dflash import SpeculatorsExport, export_block_head
+from jetflow.export.dflash import export_block_head
+from jetflow.export.eagle3 import export_eagle_head
 from jetflow.export.folder import write_export
+from jetflow.export.schema import SpeculatorsExport
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +56,18 @@ def build_export(
     instance = drafter_cls(drafter_cls.Params.model_validate(params or {}), target)
     head = getattr(instance, "head", None)
     checkpoint = getattr(instance, "checkpoint", None)
-    if isinstance(head, EagleHead):
-        raise NotExportableError(drafter, "eagle3", eagle3_differences(head.config.model_dump()))
-    if not isinstance(head, BlockHead):
-        raise ConfigError(f"drafter {drafter!r} has no trained block head to export")
+    if not isinstance(head, BlockHead | EagleHead):
+        raise ConfigError(f"drafter {drafter!r} has no trained head to export")
     info = getattr(instance, "checkpoint_info", None)
     provenance = {
         "checkpoint": str(checkpoint),
         "target": target.name,
         "chain_accept": (info.state or {}).get("chain_accept") if info else None,
     }
-    return export_block_head(
-        head,
-        target,
-        drafter=drafter,
-        verifier=verifier or verifier_for(target_spec),
-        mask_token_id=mask_token_id,
-        dtype=dtype,
-        provenance=provenance,
-    )
+    common = {"drafter": drafter, "verifier": verifier or verifier_for(target_spec), "dtype": dtype}
+    if isinstance(head, EagleHead):
+        return export_eagle_head(head, target, provenance=provenance, **common)
+    return export_block_head(head, target, mask_token_id=mask_token_id, provenance=provenance, **common)
 
 
 class ExportOptions(TypedDict, total=False):

@@ -9,20 +9,28 @@ from pathlib import Path
 
 import torch
 from jetflow.core.errors import ConfigError, DataError
-from jetflow.export.dflash import SpeculatorsExport
-from jetflow.export.schema import CONFIG_JSON, MASK_EMBEDDING, WEIGHTS, DFlashConfig
+from jetflow.export.schema import (
+    CONFIG_JSON,
+    MASK_EMBEDDING,
+    SPECULATORS_CONFIG,
+    WEIGHTS,
+    DFlashConfig,
+    Eagle3Config,
+    SpeculatorsExport,
+)
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 
-def check_tensors(config: DFlashConfig, tensors: dict[str, Tensor]) -> None:
+def check_tensors(config: DFlashConfig | Eagle3Config, tensors: dict[str, Tensor]) -> None:
     """The tensors are exactly those vLLM's model loads for ``config``, in its shapes (clear error if not)."""
     expected = config.expected_tensors()
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or extra:
         raise DataError(
-            f"export tensors do not match the DFlash layout: missing {missing}, unexpected {extra}"
+            f"export tensors do not match the {config.speculators_model_type} layout: "
+            f"missing {missing}, unexpected {extra}"
         )
     wrong = [
         f"{n} {tuple(t.shape)} != {expected[n]}" for n, t in tensors.items() if tuple(t.shape) != expected[n]
@@ -53,8 +61,9 @@ def write_export(export: SpeculatorsExport, out: str | Path) -> Path:
     staging.mkdir(parents=True)
     (staging / CONFIG_JSON).write_text(json.dumps(export.config.model_dump(mode="json"), indent=2) + "\n")
     save_file(export.tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
-    mask = {"mask_token_id": export.config.mask_token_id, "embedding": export.mask_embedding}
-    torch.save(mask, staging / MASK_EMBEDDING)
+    if isinstance(export.config, DFlashConfig):
+        mask = {"mask_token_id": export.config.mask_token_id, "embedding": export.mask_embedding}
+        torch.save(mask, staging / MASK_EMBEDDING)
     if out.exists():
         shutil.rmtree(out)
     staging.replace(out)
@@ -62,13 +71,17 @@ def write_export(export: SpeculatorsExport, out: str | Path) -> Path:
     return out
 
 
-def read_export(folder: str | Path) -> tuple[DFlashConfig, dict[str, Tensor], Tensor]:
-    """A folder's config, tensors and mask embedding, checked against the format."""
+def read_export(folder: str | Path) -> tuple[DFlashConfig | Eagle3Config, dict[str, Tensor], Tensor | None]:
+    """A folder's config, tensors and mask embedding (DFlash; None for Eagle3), checked against the format."""
     folder = Path(folder)
     try:
-        config = DFlashConfig.model_validate_json((folder / CONFIG_JSON).read_text())
+        config = SPECULATORS_CONFIG.validate_json((folder / CONFIG_JSON).read_text())
         tensors = load_file(str(folder / WEIGHTS))
-        mask = torch.load(folder / MASK_EMBEDDING, weights_only=True)
+        mask = (
+            torch.load(folder / MASK_EMBEDDING, weights_only=True)
+            if isinstance(config, DFlashConfig)
+            else None
+        )
     except FileNotFoundError as error:
         raise DataError(f"{folder} is not a complete export: {error.filename} is missing") from None
     except ValidationError as error:
@@ -77,6 +90,8 @@ def read_export(folder: str | Path) -> tuple[DFlashConfig, dict[str, Tensor], Te
             f"{folder / CONFIG_JSON}: {'.'.join(map(str, problem['loc']))}: {problem['msg']}"
         ) from None
     check_tensors(config, tensors)
+    if mask is None:
+        return config, tensors, None
     if mask.get("mask_token_id") != config.mask_token_id:
         raise DataError(f"{MASK_EMBEDDING} names another mask token than config.json")
     return config, tensors, mask["embedding"]

@@ -1,5 +1,9 @@
 """``eagle``: the EAGLE-3-style autoregressive head; one head forward per tree level.
 
+Both head layouts (``jetflow``, ``eagle3``: :mod:`jetflow.drafters.eagle.head`) draft
+through this one session: each evaluated node keeps its normed output (its children's
+distribution) and its state (what its children's entries read).
+
 ``begin`` appends the newly committed (feature, next token) entries to the head's own KV
 cache (only they are projected) and runs the root's query: the depth-1 distribution. The
 session then answers ``children`` for a frontier with one batched forward over the
@@ -66,7 +70,10 @@ class EagleSession:
         root = head.root_hidden(cache)
         self.max_depth: int | None = max_depth if root is not None else 0
         self.forwards = int(root is not None)
-        self._hidden = root[None] if root is not None else None  # [m, H]: evaluated nodes, root first
+        # [m, H] each, evaluated nodes, root first: the normed outputs (logits) and the states
+        # their children's entries read (the same tensor in the jetflow layout)
+        self._hidden = root[0][None] if root is not None else None
+        self._states = root[1][None] if root is not None else None
         empty = cache.kv[0][:, :, :0]
         self._drafted: tuple[Tensor, Tensor] = (empty, empty)  # keys/values of evaluated non-root nodes
         device = head.device  # the target's, where the tree lives
@@ -119,18 +126,19 @@ class EagleSession:
             raise RuntimeError("children asked for a node whose parent was never expanded")
         device = self.head.device
         x = self.head.entry_inputs(
-            self.shared.embed(tree.tokens[new].to(device)), self._hidden[parent_rows.to(device)]
+            self.shared.embed(tree.tokens[new].to(device)), self._states[parent_rows.to(device)]
         )
         positions = (self.cache.length - 1 + tree.depths[new]).to(device)
         ancestors = tree.ancestor_mask[new]
         mask = torch.cat([ancestors[:, self._nodes[1:]], ancestors[:, new]], dim=1).to(device)
-        hidden = self.head.draft_step(self.cache, self._drafted, x, positions, mask)
+        hidden, states = self.head.draft_step(self.cache, self._drafted, x, positions, mask)
         keys, values = self.head.entry_kv(x[None], positions[None])
         self._drafted = append_kv(self._drafted, (keys, values))
         self._row[new] = self._nodes.shape[0] + torch.arange(new.shape[0], device=new.device)
         self._nodes = torch.cat([self._nodes, new])
         self._tokens = torch.cat([self._tokens, tree.tokens[new]])
         self._hidden = torch.cat([self._hidden, hidden])
+        self._states = torch.cat([self._states, states])
         self.forwards += 1
 
 

@@ -1,4 +1,7 @@
-"""The eagle drafter: one code path for training and decoding, its KV cache, training, lossless decoding."""
+"""The eagle drafter: one code path for training and decoding, its KV cache, training, lossless decoding.
+
+The head's two layouts (jetflow's, vLLM's Eagle3) run every test that exercises the code path.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from jetflow.core.errors import CheckpointMismatchError, ConfigError, JetflowErr
 from jetflow.core.registry import default_registry
 from jetflow.core.tree import DraftTree
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
-from jetflow.drafters.checkpoint import load_checkpoint
+from jetflow.drafters.checkpoint import load_checkpoint, read_checkpoint
 from jetflow.drafters.eagle.head import EagleHead, EagleHeadConfig, low_middle_high
 from jetflow.drafters.eagle.plugin import EagleDrafter, EagleParams, EagleSession
 from jetflow.drafters.training.examples import capture_sequences, collate
@@ -66,10 +69,16 @@ def records(tiny_llama):
     return capture_sequences(tiny_llama.model, sequences, [6, 4], LAYERS).records
 
 
+@pytest.fixture(scope="module", params=["jetflow", "eagle3"])
+def layout(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def trained(tiny_llama, tmp_path_factory):
+def trained(tiny_llama, tmp_path_factory, layout):
     """A briefly trained tiny eagle head: its trainer (with the before/after evaluation) and checkpoint."""
-    trainer = eagle_trainer(tiny_llama, tmp_path_factory.mktemp("eagle-train"), steps=40)
+    head = tiny_eagle(tiny_llama, layout=layout)
+    trainer = eagle_trainer(tiny_llama, tmp_path_factory.mktemp(f"eagle-train-{layout}"), head, steps=40)
     before = trainer.evaluate()
     result = trainer.fit()
     return trainer, before, result
@@ -105,8 +114,8 @@ def test_config_reads_low_middle_and_high_cached_layers(tiny_llama) -> None:
         EagleDrafter.new_head(tiny_llama, {"num_layers": 2})
 
 
-def test_head_shapes_and_owns_no_target_weights(tiny_llama, records) -> None:
-    head = tiny_eagle(tiny_llama, draft_vocab_size=32)
+def test_head_shapes_and_owns_no_target_weights(tiny_llama, records, layout) -> None:
+    head = tiny_eagle(tiny_llama, draft_vocab_size=32, layout=layout)
     shared = FrozenTargetParts.from_target(tiny_llama)
     batch = collate(records, [torch.tensor([1, 5, 11]), torch.tensor([3, 9])], torch.float32)
     hidden = head(batch.features, shared.embed(batch.tokens), batch.anchors)
@@ -120,17 +129,43 @@ def test_head_shapes_and_owns_no_target_weights(tiny_llama, records) -> None:
     assert state["draft_tokens"].shape == (32,)
 
 
-def test_anchor_zero_has_nothing_to_condition_on_and_is_not_supervised(tiny_llama, records) -> None:
-    head = tiny_eagle(tiny_llama)
+def test_the_layouts_differ_where_vllms_eagle3_layer_does(tiny_llama) -> None:
+    jetflow, eagle3 = (
+        tiny_eagle(tiny_llama, layout=layout, qk_norm=True).state_dict() for layout in ("jetflow", "eagle3")
+    )
+    assert set(jetflow) - set(eagle3) == {"in_proj.weight", "layer.input_norm.weight", "fusion.norm.weight"}
+    assert set(eagle3) - set(jetflow) == {"layer.hidden_norm.weight"}  # fc alone; hidden_norm per state
+    assert eagle3["layer.attn.q_proj.weight"].shape == (64, 128)  # q/k/v read [embed ; state] directly
+    assert eagle3["layer.attn.v_proj.weight"].shape == (32, 128)
+    assert jetflow["layer.attn.q_proj.weight"].shape == (64, 64)
+    # an eagle3 head's layer is the target family's, as vLLM's Eagle3 classes are
+    assert not EagleHeadConfig.for_target(tiny_llama, layout="eagle3").qk_norm
+    assert EagleHeadConfig.for_target(make_tiny_target("qwen3"), layout="eagle3").qk_norm
+    assert EagleHeadConfig.for_target(tiny_llama, layout="eagle3", qk_norm=True).qk_norm
+    assert EagleHeadConfig.for_target(tiny_llama).qk_norm  # the jetflow layout keeps its default
+
+
+def test_the_shipped_head_loads_unchanged_in_the_jetflow_layout() -> None:
+    """Its record predates ``layout``; its tensors load strictly into the jetflow layout."""
+    folder = EagleDrafter.package_dir() / "checkpoints" / "SmolLM2-135M-Instruct"
+    info, state = read_checkpoint(folder)
+    assert "layout" not in info.architecture
+    head = EagleDrafter.head_from_architecture(info.architecture)
+    assert head.config.layout == "jetflow"
+    head.load_state_dict(state, strict=True)
+
+
+def test_anchor_zero_has_nothing_to_condition_on_and_is_not_supervised(tiny_llama, records, layout) -> None:
+    head = tiny_eagle(tiny_llama, layout=layout)
     batch = collate(records[:1], [torch.tensor([0, 7])], torch.float32)
     preds = head.training_predictions(batch, FrozenTargetParts.from_target(tiny_llama))
     assert set((preds.positions - preds.depths).tolist()) == {7}
 
 
 @torch.no_grad()
-def test_decoding_a_path_equals_the_training_forward(tiny_llama, records) -> None:
+def test_decoding_a_path_equals_the_training_forward(tiny_llama, records, layout) -> None:
     """Every unrolled training step equals the session's forward for that tree node, branches beside it."""
-    head = tiny_eagle(tiny_llama).eval()
+    head = tiny_eagle(tiny_llama, layout=layout).eval()
     shared = FrozenTargetParts.from_target(tiny_llama)
     lm = DraftLMHead.build(shared.lm_head, None)
     anchors = [torch.tensor([1, 5, 11, 17, 21]), torch.tensor([3, 9, 14])]
@@ -155,8 +190,8 @@ def test_decoding_a_path_equals_the_training_forward(tiny_llama, records) -> Non
 
 
 @torch.no_grad()
-def test_session_keeps_the_root_query_and_evaluates_each_level_once(tiny_llama, records) -> None:
-    head = tiny_eagle(tiny_llama).eval()
+def test_session_keeps_the_root_query_and_evaluates_each_level_once(tiny_llama, records, layout) -> None:
+    head = tiny_eagle(tiny_llama, layout=layout).eval()
     tokens, _, features, _ = records[0]
     session = session_of(head, tiny_llama, features[:9].float(), tokens[:10])
     assert session.forwards == 1
@@ -179,8 +214,8 @@ def test_session_keeps_the_root_query_and_evaluates_each_level_once(tiny_llama, 
 
 
 @torch.no_grad()
-def test_kv_cache_across_steps_equals_recomputation(tiny_llama, records) -> None:
-    head = tiny_eagle(tiny_llama).eval()
+def test_kv_cache_across_steps_equals_recomputation(tiny_llama, records, layout) -> None:
+    head = tiny_eagle(tiny_llama, layout=layout).eval()
     shared = FrozenTargetParts.from_target(tiny_llama)
     tokens, _, features, _ = records[0]
     embeds = shared.embed(tokens[1:])

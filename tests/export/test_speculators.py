@@ -21,10 +21,10 @@ from jetflow.export.schema import CONFIG_JSON, DFlashConfig
 PLAIN = {"num_layers": 2, "block_size": 4, "anchored_slots": False, "draft_vocab_size": 40}
 
 
-def make_checkpoint(target, folder, drafter="jetflow", seed=0, **options):
+def make_checkpoint(target, folder, drafter="jetflow", seed=0, base=PLAIN, **options):
     """A randomly initialised head with a shuffled draft vocabulary, saved as jetflow saves heads."""
     torch.manual_seed(seed)
-    head = default_registry().get("drafter", drafter).new_head(target, PLAIN | options)
+    head = default_registry().get("drafter", drafter).new_head(target, base | options)
     with torch.no_grad():
         for parameter in head.parameters():  # norms away from 1, so a swapped tensor shows
             parameter.add_(torch.randn_like(parameter) * 0.1)
