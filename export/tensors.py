@@ -55,6 +55,8 @@ def vllm_tensors(
     over; they are copied exactly from the (fp32) target.
     """
     tensors = renamed(state, names, drafter=drafter, fmt=fmt, skip={*skip, "draft_tokens"})
+    if getattr(target.model.get_output_embeddings(), "bias", None) is not None:
+        raise NotExportableError(drafter, fmt, ["the target's LM head has a bias, vLLM's draft LM head none"])
     draft_tokens = state.get("draft_tokens")
     vocab = target.vocab_size
     if draft_tokens is not None:
