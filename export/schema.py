@@ -81,15 +81,37 @@ def _draft_vocabulary_tensors(draft_vocab: int, vocab: int, hidden: int) -> dict
     return {"lm_head.weight": (draft_vocab, hidden), "d2t": (draft_vocab,), "t2d": (vocab,)}
 
 
-class DFlashConfig(_Model):
+class _FolderConfig(_Model):
+    """What every ``speculators`` folder's ``config.json`` has, whatever its model type."""
+
+    speculators_config: SpeculatorsSection
+    draft_vocab_size: int = Field(ge=1)
+    target_hidden_size: int = Field(ge=1)
+    jetflow: dict[str, Any] = Field(default_factory=dict, description="provenance: checkpoint, recipe")
+
+    def _check_layer(self, layer: LayerConfig) -> None:
+        """The checks on the vocabulary and the attention heads that every folder shares."""
+        if self.draft_vocab_size > layer.vocab_size:
+            raise ValueError("draft_vocab_size exceeds the target's vocabulary")
+        if layer.num_attention_heads % layer.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def speculative_tokens(self) -> int:
+        return self.speculators_config.proposal_methods[0].speculative_tokens
+
+    @property
+    def own_lm_head(self) -> bool:
+        """A draft vocabulary ships its LM-head rows and maps; the full one shares the target's."""
+        return self.draft_vocab_size < self.transformer_layer_config.vocab_size
+
+
+class DFlashConfig(_FolderConfig):
     """``config.json`` of a DFlash folder (``speculators_model_type = "dflash"``)."""
 
     speculators_model_type: Literal["dflash"] = "dflash"
     architectures: tuple[Literal["DFlashDraftModel"], ...] = ("DFlashDraftModel",)
-    speculators_config: SpeculatorsSection
     transformer_layer_config: LayerConfig
-    draft_vocab_size: int = Field(ge=1)
-    target_hidden_size: int = Field(ge=1)
     mask_token_id: int = Field(ge=0)
     aux_hidden_state_layer_ids: tuple[int, ...] = Field(
         min_length=1, description="target layers whose outputs feed the head (hidden_states[i])"
@@ -98,7 +120,6 @@ class DFlashConfig(_Model):
         description="vLLM's name for a bidirectional block; false: the causal in-block mask (JetFlow)"
     )
     block_size: int = Field(ge=2, description="anchor + mask slots")
-    jetflow: dict[str, Any] = Field(default_factory=dict, description="provenance: checkpoint, recipe")
 
     @model_validator(mode="after")
     def _consistent(self) -> DFlashConfig:
@@ -112,30 +133,18 @@ class DFlashConfig(_Model):
             raise ValueError(
                 "a bidirectional block sees all its slots: speculative_tokens must be block_size - 1"
             )
-        if self.draft_vocab_size > layer.vocab_size:
-            raise ValueError("draft_vocab_size exceeds the target's vocabulary")
+        self._check_layer(layer)
         if not 0 <= self.mask_token_id < layer.vocab_size:
             raise ValueError("mask_token_id is outside the target's vocabulary")
-        if layer.num_attention_heads % layer.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         return self
 
     @property
     def causal(self) -> bool:
         return not self.sliding_window_non_causal
 
-    @property
-    def speculative_tokens(self) -> int:
-        return self.speculators_config.proposal_methods[0].speculative_tokens
-
     def summary(self) -> str:
         kind = "causal" if self.causal else "bidirectional"
         return f"dflash ({kind} block of {self.block_size}, {self.speculative_tokens} tokens)"
-
-    @property
-    def own_lm_head(self) -> bool:
-        """A draft vocabulary ships its LM-head rows and maps; the full one shares the target's."""
-        return self.draft_vocab_size < self.transformer_layer_config.vocab_size
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every tensor name vLLM's DFlash model loads from ``model.safetensors``, with its shape."""
@@ -176,7 +185,7 @@ class Eagle3LayerConfig(LayerConfig):
     mlp_bias: Literal[False] = False
 
 
-class Eagle3Config(_Model):
+class Eagle3Config(_FolderConfig):
     """``config.json`` of an Eagle3 folder (``speculators_model_type = "eagle3"``).
 
     The four norm options are written explicitly: vLLM's defaults for an absent field differ
@@ -185,10 +194,7 @@ class Eagle3Config(_Model):
 
     speculators_model_type: Literal["eagle3"] = "eagle3"
     architectures: tuple[Literal["Eagle3Speculator"], ...] = ("Eagle3Speculator",)
-    speculators_config: SpeculatorsSection
     transformer_layer_config: Eagle3LayerConfig
-    draft_vocab_size: int = Field(ge=1)
-    target_hidden_size: int = Field(ge=1)
     eagle_aux_hidden_state_layer_ids: tuple[int, ...] = Field(
         min_length=1, description="target layers feeding fc, in increasing order (hidden_states[i])"
     )
@@ -196,30 +202,17 @@ class Eagle3Config(_Model):
     norm_output: bool = Field(description="the next step's state is the normed output, not the pre-norm")
     norm_before_fc: bool = Field(description="one RMSNorm over the concatenated target states before fc")
     fc_norm: bool = Field(description="an RMSNorm per target state before fc")
-    jetflow: dict[str, Any] = Field(default_factory=dict, description="provenance: checkpoint, recipe")
 
     @model_validator(mode="after")
     def _consistent(self) -> Eagle3Config:
         layer = self.transformer_layer_config
         if self.speculators_config.algorithm != "eagle3":
             raise ValueError("an Eagle3 folder's speculators_config.algorithm must be eagle3")
-        if self.draft_vocab_size > layer.vocab_size:
-            raise ValueError("draft_vocab_size exceeds the target's vocabulary")
-        if layer.num_attention_heads % layer.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self._check_layer(layer)
         ids = self.eagle_aux_hidden_state_layer_ids
         if list(ids) != sorted(set(ids)):
             raise ValueError("vLLM concatenates the aux hidden states in increasing layer order: sort them")
         return self
-
-    @property
-    def own_lm_head(self) -> bool:
-        """A draft vocabulary ships its LM-head rows and maps; the full one shares the target's."""
-        return self.draft_vocab_size < self.transformer_layer_config.vocab_size
-
-    @property
-    def speculative_tokens(self) -> int:
-        return self.speculators_config.proposal_methods[0].speculative_tokens
 
     def summary(self) -> str:
         layer = self.transformer_layer_config
