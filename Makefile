@@ -75,7 +75,7 @@ SCALING_SNAPSHOT  = runs/scaling/snapshot
 SCALING_CORPUS    = $(SCALING_SNAPSHOT)/drafters/training/corpora/SmolLM2-135M-Instruct
 SCALING_EVAL      = drafters/training/corpora/SmolLM2-135M-Instruct-heldout
 SCALING_ARMS      = layers-1 data-3k layers-2 layers-2-init layers-3 tokens plain-slots layers-1-init \
-	depth-decay
+	depth-decay eagle eagle-eagle3
 SCALING_TRAIN     = --threads 1 --resume --steps 2000 --corpus $(SCALING_CORPUS) \
 	--corpus $(SCALING_CORPUS)-turn2 --set eval_corpus=$(SCALING_EVAL) --set holdout_sequences=128 \
 	--set eval_every=250 --set checkpoint_every=250
@@ -87,6 +87,9 @@ SCALING_SET_layers-2-init = --set head.num_layers=2 --set head.init_from_target=
 SCALING_SET_tokens        = --set head.context_tokens=true
 SCALING_SET_plain-slots   = --set head.anchored_slots=false   # what vLLM's DFlash class can serve
 SCALING_SET_depth-decay   = --set loss.depth_decay=3.0         # favour the depths a CPU tree reaches
+SCALING_SET_eagle-eagle3  = --set head.layout=eagle3           # what vLLM's Eagle3 class can serve
+# EAGLE arms: the same budget for the EAGLE head, in jetflow's layout and in vLLM's (prices the export)
+SCALING_DRAFTER            = $(if $(filter eagle%,$(1)),eagle,jetflow)
 .PHONY: scaling scaling-data
 scaling-data: $(SCALING_CORPUS)/manifest.json
 $(SCALING_CORPUS)/manifest.json:
@@ -96,7 +99,8 @@ $(SCALING_CORPUS)/manifest.json:
 scaling-bench-%: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/scaling.toml --drafters $* --out bench/results/scaling/$*
 scaling-%: setup scaling-data
-	$(VENV)/bin/jetflow train --drafter jetflow --out runs/scaling/$* $(SCALING_TRAIN) $(SCALING_SET_$*)
+	$(VENV)/bin/jetflow train --drafter $(call SCALING_DRAFTER,$*) --out runs/scaling/$* $(SCALING_TRAIN) \
+		$(SCALING_SET_$*)
 scaling: $(addprefix scaling-,$(SCALING_ARMS)) $(addprefix scaling-bench-,$(SCALING_ARMS))
 	$(VENV)/bin/jetflow curve $(addprefix runs/scaling/,$(SCALING_ARMS)) \
 		--plot bench/results/scaling/curves.png > bench/results/scaling/agreement.md
