@@ -7,7 +7,9 @@ the teacher distribution, so the 49K-wide logits are never stored. Everything is
 
 Layout: ``cache_root()/features/<corpus name>/layers-<a>-<b>-.../`` holds one pair of
 ``.npy`` files per corpus shard plus a manifest naming, per shard, the checksum of the
-corpus tokens it was computed from: a stale or missing shard is detected, never read.
+corpus tokens it was computed from and the precision the target ran in (fp32 and bf16 states
+differ, so a shard computed in another precision is stale too): a stale or missing shard is
+detected, never read; shards recorded before the precision was are taken as they are.
 The cache is filled in the same pass as regeneration, or later by a teacher-forced forward
 (:func:`build_features`), which costs a prefill, not a generation.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from jetflow.core.errors import ConfigError, DataError
+from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target, cache_root
 from jetflow.drafters.training.atomic import atomic_path, remove_staging_files, write_json_atomic
 from jetflow.drafters.training.corpus import Corpus
@@ -105,10 +108,19 @@ class FeatureWriter:
     """Writes feature shards aligned with corpus shards; each one is recorded once complete."""
 
     def __init__(
-        self, folder: Path, *, corpus_name: str, target: dict, layers: Sequence[int], hidden_size: int
+        self,
+        folder: Path,
+        *,
+        corpus_name: str,
+        target: dict,
+        layers: Sequence[int],
+        hidden_size: int,
+        computed_in: str,
     ):
+        """``computed_in``: the dtype name the target runs in, recorded with every shard."""
         self.folder = Path(folder)
         self.layers = tuple(layers)
+        self.computed_in = computed_in
         self.manifest = {
             "format": FEATURES_FORMAT,
             "corpus": corpus_name,
@@ -127,9 +139,13 @@ class FeatureWriter:
                 self.manifest["shards"] = previous["shards"]
 
     def has(self, index: int, tokens_sha256: str) -> bool:
-        """True when shard ``index`` is cached for exactly these corpus tokens."""
+        """True when shard ``index`` is cached for exactly these corpus tokens, in this precision."""
         record = self.manifest["shards"].get(str(index))
-        return record is not None and record["tokens_sha256"] == tokens_sha256
+        return (
+            record is not None
+            and record["tokens_sha256"] == tokens_sha256
+            and record.get("computed_in", self.computed_in) == self.computed_in
+        )
 
     def write(
         self, index: int, tokens_sha256: str, features: Sequence[Tensor], finals: Sequence[Tensor]
@@ -143,7 +159,11 @@ class FeatureWriter:
             with atomic_path(path) as staging, open(staging, "wb") as handle:
                 np.save(handle, array)
         rows = sum(int(f.shape[0]) for f in features)
-        self.manifest["shards"][str(index)] = {"tokens_sha256": tokens_sha256, "n_rows": rows}
+        self.manifest["shards"][str(index)] = {
+            "tokens_sha256": tokens_sha256,
+            "n_rows": rows,
+            "computed_in": self.computed_in,
+        }
         write_json_atomic(self.folder / MANIFEST_NAME, self.manifest)
 
 
@@ -194,6 +214,9 @@ class FeatureStore:
                 f"{self.folder}: features missing or stale for corpus shards {stale[:8]}"
                 f"{'...' if len(stale) > 8 else ''}: run `jetflow data features --corpus {corpus.path}`"
             )
+        records = [manifest["shards"][str(i)] for i in range(n_shards)]
+        #: the precisions the target ran in for these features ("unrecorded" for old shards)
+        self.manifest["features_computed_in"] = sorted({r.get("computed_in", "unrecorded") for r in records})
         self._arrays = [self._open_shard(i) for i in range(n_shards)]
 
     def _open_shard(self, index: int) -> tuple[np.ndarray, np.ndarray, Tensor]:
@@ -311,6 +334,7 @@ def build_features(
         target={"name": target.name, "fingerprint": target.fingerprint()},
         layers=layers,
         hidden_size=target.hidden_size,
+        computed_in=dtype_name(target.dtype),
     )
     todo = [
         i for i, record in enumerate(corpus.manifest["shards"]) if not writer.has(i, record["tokens_sha256"])

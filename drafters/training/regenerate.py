@@ -331,6 +331,7 @@ def regenerate(
             target=header["target"],
             layers=layers,
             hidden_size=target.hidden_size,
+            computed_in=dtype_name(target.dtype),
         )
         missing = [
             i for i, s in enumerate(writer.manifest["shards"]) if not features.has(i, s["tokens_sha256"])

@@ -19,7 +19,12 @@ HIDDEN = 4
 def _fill(folder: Path, corpus: Corpus, layers: tuple[int, ...]) -> None:
     """Features whose value names their layer: row r of layer L holds ``L + r / 100``."""
     writer = FeatureWriter(
-        folder, corpus_name="c", target=HEADER["target"], layers=layers, hidden_size=HIDDEN
+        folder,
+        corpus_name="c",
+        target=HEADER["target"],
+        layers=layers,
+        hidden_size=HIDDEN,
+        computed_in="float32",
     )
     for index, (record, shard) in enumerate(zip(corpus.manifest["shards"], corpus.shards, strict=True)):
         rows = [len(shard.sequence(j)) - 1 for j in range(len(shard))]

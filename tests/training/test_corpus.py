@@ -87,7 +87,12 @@ def test_feature_store_refuses_missing_and_truncated_shards(tmp_path: Path) -> N
     with pytest.raises(DataError, match="jetflow data features"):
         FeatureStore(corpus, layers, tmp_path / "f")
     writer = FeatureWriter(
-        tmp_path / "f", corpus_name="c", target=HEADER["target"], layers=layers, hidden_size=hidden
+        tmp_path / "f",
+        corpus_name="c",
+        target=HEADER["target"],
+        layers=layers,
+        hidden_size=hidden,
+        computed_in="float32",
     )
     for index, (record, shard) in enumerate(zip(corpus.manifest["shards"], corpus.shards, strict=True)):
         rows = [len(shard.sequence(j)) - 1 for j in range(len(shard))]
@@ -103,6 +108,7 @@ def test_feature_store_refuses_missing_and_truncated_shards(tmp_path: Path) -> N
     assert features.shape == (4, 2, hidden) and features.dtype == torch.float16 and (features == 4).all()
     assert final.shape == (4, hidden) and (final == -4).all()
     assert store.layers == layers and store.manifest["feature_layers"] == [1, 2]
+    assert store.manifest["features_computed_in"] == ["float32"]
 
     with pytest.raises(DataError, match="overflow float16"):
         writer.write(0, "x", [torch.full((1, 2, hidden), 1e6)], [torch.zeros(1, hidden)])
@@ -117,6 +123,38 @@ def test_feature_store_refuses_missing_and_truncated_shards(tmp_path: Path) -> N
         first.sequence(2)
     with pytest.raises(DataError, match=r"shard-00001\.final\.npy"):
         FeatureStore(corpus, layers, tmp_path / "f", limit=3)
+
+
+def test_features_computed_in_another_precision_are_stale(tmp_path: Path) -> None:
+    """fp32 and bf16 target states differ: a shard is reused only in the precision it was computed in."""
+    _write_corpus(tmp_path / "c")
+    corpus = Corpus(tmp_path / "c")
+    record = corpus.manifest["shards"][0]
+    rows = [len(corpus.shards[0].sequence(j)) - 1 for j in range(len(corpus.shards[0]))]
+
+    def writer(computed_in: str) -> FeatureWriter:
+        return FeatureWriter(
+            tmp_path / "f",
+            corpus_name="c",
+            target=HEADER["target"],
+            layers=(1,),
+            hidden_size=4,
+            computed_in=computed_in,
+        )
+
+    writer("float32").write(
+        0, record["tokens_sha256"], [torch.zeros(r, 1, 4) for r in rows], [torch.zeros(r, 4) for r in rows]
+    )
+    assert writer("float32").has(0, record["tokens_sha256"])
+    assert not writer("bfloat16").has(0, record["tokens_sha256"])
+    manifest_path = tmp_path / "f" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["shards"]["0"]["computed_in"]  # a shard recorded before precisions were
+    manifest_path.write_text(json.dumps(manifest))
+    assert writer("bfloat16").has(0, record["tokens_sha256"])
+    assert FeatureStore(corpus, (1,), tmp_path / "f", limit=2).manifest["features_computed_in"] == [
+        "unrecorded"
+    ]
 
 
 def _sample(i: int, text: str) -> Sample:
