@@ -87,9 +87,9 @@ SCALING_SET_layers-2-init = --set head.num_layers=2 --set head.init_from_target=
 SCALING_SET_tokens        = --set head.context_tokens=true
 SCALING_SET_plain-slots   = --set head.anchored_slots=false   # what vLLM's DFlash class can serve
 SCALING_SET_depth-decay   = --set loss.depth_decay=3.0         # favour the depths a CPU tree reaches
-SCALING_SET_eagle-eagle3  = --set head.layout=eagle3           # what vLLM's Eagle3 class can serve
 # EAGLE arms: the same budget for the EAGLE head, in jetflow's layout and in vLLM's (prices the export)
-SCALING_DRAFTER            = $(if $(filter eagle%,$(1)),eagle,jetflow)
+SCALING_SET_eagle-eagle3  = --set head.layout=eagle3           # what vLLM's Eagle3 class can serve
+SCALING_DRAFTER           = $(if $(filter eagle%,$(1)),eagle,jetflow)
 .PHONY: scaling scaling-data
 scaling-data: $(SCALING_CORPUS)/manifest.json
 $(SCALING_CORPUS)/manifest.json:

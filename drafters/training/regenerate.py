@@ -325,13 +325,11 @@ def regenerate(
     features = None
     if layers is not None:
         layers = check_layers(layers, target.num_layers)
-        features = FeatureWriter(
+        features = FeatureWriter.for_target(
             feature_folder or feature_dir(out.resolve().name, layers),
             corpus_name=out.resolve().name,
-            target=header["target"],
+            target=target,
             layers=layers,
-            hidden_size=target.hidden_size,
-            computed_in=dtype_name(target.dtype),
         )
         missing = [
             i for i, s in enumerate(writer.manifest["shards"]) if not features.has(i, s["tokens_sha256"])
