@@ -41,6 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='override one config value, dotted keys and TOML values (e.g. loss.kind="sft"); repeatable',
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument(
+        "--warm-start",
+        type=Path,
+        help="continue from this head checkpoint's weights and step with a fresh optimiser (where "
+        "the resumable state is gone); --resume wins where --out holds a checkpoint",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy machine)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.set_defaults(run=run)
@@ -72,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         corpus=[str(c) for c in args.corpus] if args.corpus else None,
         features=str(args.features) if args.features else None,
         steps=args.steps,
+        warm_start=str(args.warm_start) if args.warm_start else None,
     )
     target = Target.load(config.target, dtype=resolve_dtype("float32"))
     head = drafter_cls.new_head(target, config.head)

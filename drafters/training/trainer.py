@@ -7,7 +7,8 @@ from the target's frozen LM head over its cached final hidden states (restricted
 head's draft vocabulary when it has one, chosen here from response-token frequencies,
 which cuts the LM-head cost that dominates training on a CPU), forward-KL / SFT /
 reverse-KL with per-depth weights, AdamW with warm-up and cosine decay, gradient clipping,
-periodic checkpoints with exact resume, a held-out split with per-depth top-1 agreement
+periodic checkpoints with exact resume (or a warm restart from a head's weights and step),
+a held-out split with per-depth top-1 agreement
 with the target, a progress bar and a JSON-lines loss log.
 
 Output folder::
@@ -117,6 +118,14 @@ class TrainConfig(_Frozen):
     )
     max_sequences: int | None = Field(
         None, ge=2, description="use only the first N sequences (fixed-data ablations); None: all"
+    )
+    warm_start: str | None = Field(
+        None,
+        description=(
+            "head checkpoint to continue from when no resumable state is left (a final head or a "
+            "checkpoint folder): its weights and step; the optimiser moments start at zero and the "
+            "rate re-warms over warmup_steps. A resumable checkpoint in `out` wins over it"
+        ),
     )
     eval_every: int = Field(100, ge=1)
     checkpoint_every: int = Field(250, ge=1)
@@ -236,9 +245,9 @@ class Trainer:
             lr=config.optim.lr,
             betas=config.optim.betas,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, config.optim, config.steps)
-        )
+        #: the step a warm restart began at (0: none); the rate re-warms from it
+        self._restart_step = 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         device = shared.lm_head.weight.device
         #: compute dtype of the training steps (the autocast dtype; fp32 means no autocast)
         self.compute_dtype = resolve_dtype(config.precision, device)
@@ -247,6 +256,13 @@ class Trainer:
         self._epoch_order: tuple[int, Tensor] | None = None  # (epoch, permutation of train_ids)
 
     # ------------------------------------------------------------------ setup
+    def _lr_factor(self, optimizer_step: int) -> float:
+        """The schedule at the run's step, re-warmed after a warm restart's fresh moments."""
+        factor = lr_factor(self._restart_step + optimizer_step, self.config.optim, self.config.steps)
+        if self._restart_step and self.config.optim.warmup_steps:
+            factor *= min(1.0, (optimizer_step + 1) / self.config.optim.warmup_steps)
+        return factor
+
     def _check_layers(self) -> None:
         layers = tuple(getattr(self.store, "layers", ()) or ())
         wanted = tuple(self.info.target.get("feature_layers", ()))
@@ -460,6 +476,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "train_s": self.train_s,
+                "restart_step": self._restart_step,
             },
             folder / "trainer.pt",
         )
@@ -480,25 +497,48 @@ class Trainer:
         if not found:
             return False
         folder = found[-1]
+        self._load_head(folder, target, "resume")
+        saved = torch.load(folder / "trainer.pt", weights_only=True)
+        self._restart_step = int(saved.get("restart_step", 0))
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.step = int(saved["step"])
+        self._prior_s = float(saved.get("train_s", 0.0))
+        log.info("resumed from %s (step %d)", folder, self.step)
+        return True
+
+    def warm_start(self, folder: str | Path, target=None) -> None:
+        """Continue from a head checkpoint's weights and step, with a fresh optimiser.
+
+        This is the restart of a long run whose resumable state (the optimiser moments, a few
+        times the head's size) was not kept: the schedule goes on from the head's step, and
+        the rate re-warms over ``warmup_steps`` while the moments refill.
+        """
+        info = self._load_head(Path(folder), target, "warm-start")
+        step = info.state.get("step")
+        if not isinstance(step, int) or step < 1:
+            raise CheckpointMismatchError(f"cannot warm-start from {folder}: it records no training step")
+        if step >= self.config.steps:
+            raise ConfigError(f"{folder} is at step {step} already: ask for more steps than that")
+        self.step = self._restart_step = step
+        self._prior_s = float(info.state.get("train_s", 0.0))
+        self.vocab_summary = {k: v for k, v in info.data.items() if k.startswith("draft_vocab")}
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        log.info("warm-started from %s (step %d)", folder, self.step)
+
+    def _load_head(self, folder: Path, target, purpose: str) -> CheckpointInfo:
+        """Load a checkpoint's weights into the head after checking they fit this run."""
         info, state = read_checkpoint(folder)
         if target is not None:
             check_target(info, target, source=f"checkpoint {folder}", drafter=self.info.drafter)
         if info.architecture != self.info.architecture:
             raise CheckpointMismatchError(
-                f"cannot resume from {folder}: it was started with head {info.architecture}, "
+                f"cannot {purpose} from {folder}: it was trained as head {info.architecture}, "
                 f"this run asks for {self.info.architecture}"
             )
         self.head.load_state_dict(state)
         self.lm = DraftLMHead.build(self.shared.lm_head, getattr(self.head, "draft_tokens", None))
-        saved = torch.load(folder / "trainer.pt", weights_only=True)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.step = int(saved["step"])
-        self._prior_s = float(saved.get("train_s", 0.0))
-        if self.parallel.is_main:
-            self._trim_log(self.step)
-        log.info("resumed from %s (step %d)", folder, self.step)
-        return True
+        return info
 
     # ------------------------------------------------------------------ log
     def _log(self, record: dict[str, Any]) -> None:
@@ -570,8 +610,12 @@ class Trainer:
         """
         main = self.parallel.is_main
         self.out.mkdir(parents=True, exist_ok=True)
-        if resume:
-            self.resume(target)
+        continued = resume and self.resume(target)
+        if not continued and self.config.warm_start:
+            self.warm_start(self.config.warm_start, target)
+            continued = True
+        if main and continued:
+            self._trim_log(self.step)
         elif main and (self.out / "train_log.jsonl").exists():
             (self.out / "train_log.jsonl").unlink()
         self.parallel.barrier()  # nobody trains (or logs) before the main process set up the folder

@@ -145,6 +145,77 @@ def test_resume_refuses_a_run_with_another_head(tiny_llama, tmp_path) -> None:
         other.fit(resume=True)
 
 
+def test_a_warm_start_continues_from_a_heads_weights_and_step_with_a_fresh_optimiser(
+    tiny_llama, tmp_path
+) -> None:
+    first = quick_trainer(tiny_llama, tmp_path / "first", steps=12, checkpoint_every=6)
+    first.out.mkdir(parents=True)
+    for _ in range(6):
+        first.train_step()
+    head_folder = first.save()
+
+    warm = quick_trainer(tiny_llama, tmp_path / "warm", head=tiny_head(tiny_llama, seed=5), steps=12)
+    warm.warm_start(head_folder, tiny_llama)
+    assert warm.step == 6
+    for name, tensor in first.head.state_dict().items():
+        assert torch.equal(warm.head.state_dict()[name], tensor)
+    assert warm.optimizer.state_dict()["state"] == {}, "the moments start at zero"
+    optim = warm.config.optim
+    rates = [warm.train_step()["lr"] for _ in range(optim.warmup_steps + 1)]
+    expected = [
+        optim.lr * lr_factor(6 + i, optim, 12) * min(1.0, (i + 1) / optim.warmup_steps)
+        for i in range(optim.warmup_steps + 1)
+    ]
+    assert rates == pytest.approx(expected), "the schedule goes on from step 6 and re-warms"
+    assert rates[0] < optim.lr * lr_factor(6, optim, 12) / 2
+
+
+def test_a_warm_started_run_resumes_exactly(tiny_llama, tmp_path) -> None:
+    first = quick_trainer(tiny_llama, tmp_path / "first", steps=4)
+    head_folder = first.fit().final_checkpoint  # the shipped fp16 head is enough to go on from
+
+    whole = quick_trainer(tiny_llama, tmp_path / "whole", steps=12, warm_start=str(head_folder))
+    whole.fit(target=tiny_llama)
+    interrupted = quick_trainer(
+        tiny_llama, tmp_path / "split", steps=12, checkpoint_every=4, warm_start=str(head_folder)
+    )
+    interrupted.train_step = _interrupt_after(interrupted.train_step, calls=5)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(target=tiny_llama)
+    assert (tmp_path / "split" / "checkpoints" / "step-0000008").is_dir()
+    resumed = quick_trainer(
+        tiny_llama, tmp_path / "split", steps=12, warm_start=str(head_folder)
+    )  # the resumable checkpoint wins over the warm start
+    resumed.fit(resume=True, target=tiny_llama)
+    for name, tensor in whole.head.state_dict().items():
+        torch.testing.assert_close(resumed.head.state_dict()[name], tensor, atol=1e-6, rtol=1e-5)
+    info, _ = read_checkpoint(tmp_path / "split" / "final")
+    assert info.recipe["warm_start"] == str(head_folder) and info.state["step"] == 12
+    logged = [json.loads(line)["step"] for line in (tmp_path / "split" / "train_log.jsonl").open()]
+    assert logged == sorted(logged) and logged[0] > 4, "the log goes on from the head's step"
+
+
+def _interrupt_after(step_fn, calls: int):
+    counter = itertools.count()
+
+    def step() -> dict[str, float]:
+        if next(counter) == calls:
+            raise KeyboardInterrupt
+        return step_fn()
+
+    return step
+
+
+def test_a_warm_start_refuses_another_head_and_a_finished_run(tiny_llama, tmp_path) -> None:
+    head_folder = quick_trainer(tiny_llama, tmp_path / "first", steps=4).fit().final_checkpoint
+    other = quick_trainer(tiny_llama, tmp_path / "other", head=tiny_head(tiny_llama, num_layers=2), steps=8)
+    with pytest.raises(CheckpointMismatchError, match="cannot warm-start"):
+        other.warm_start(head_folder)
+    done = quick_trainer(tiny_llama, tmp_path / "done", steps=4)
+    with pytest.raises(ConfigError, match="at step 4 already"):
+        done.warm_start(head_folder)
+
+
 def test_learning_rate_warms_up_then_decays_by_cosine() -> None:
     config = OptimConfig(warmup_steps=10, min_lr_ratio=0.1)
     factors = [lr_factor(step, config, total_steps=110) for step in range(110)]

@@ -41,6 +41,11 @@ def test_train_command_trains_and_ships_a_head(tiny_world, tiny_llama, tmp_path,
     info, _ = load_checkpoint(summary["checkpoint"], tiny_llama, drafter="jetflow")
     assert info.architecture["causal"] is True and info.architecture["block_size"] == 4
 
+    warm = ["--warm-start", summary["checkpoint"], "--steps", "9", "--out", str(tmp_path / "warm")]
+    assert cli.main(["train", "--drafter", "jetflow", "--config", str(config), *warm, "--json"]) == 0
+    continued = json.loads(capsys.readouterr().out)
+    assert continued["steps"] == 9 and continued["train_s"] > continued["wall_s"]
+
 
 def test_a_drafter_without_a_head_cannot_be_trained(tiny_world, tmp_path, capsys) -> None:
     (tmp_path / "t.toml").write_text("steps = 1\n")
