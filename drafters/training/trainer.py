@@ -6,10 +6,10 @@ hook; everything else is shared: random anchors per sequence, the teacher distri
 from the target's frozen LM head over its cached final hidden states (restricted to the
 head's draft vocabulary when it has one, chosen here from response-token frequencies,
 which cuts the LM-head cost that dominates training on a CPU), forward-KL / SFT /
-reverse-KL with per-depth weights, AdamW with warm-up and cosine decay, gradient clipping,
-periodic checkpoints with exact resume (or a warm restart from a head's weights and step),
-a held-out split with per-depth top-1 agreement
-with the target, a progress bar and a JSON-lines loss log.
+reverse-KL with per-depth weights, AdamW with warm-up and cosine or WSD decay, gradient
+clipping, periodic checkpoints with exact resume (or a warm restart from a head's weights and
+step), a held-out split with per-depth top-1 agreement with the target, a progress bar and a
+JSON-lines loss log.
 
 Output folder::
 
