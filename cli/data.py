@@ -42,6 +42,14 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids, got {text!r}") from error
 
 
+def _part(text: str) -> tuple[int, int]:
+    """``K/N``: the K-th of N processes that share one job."""
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return int(k), int(n)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "data", help="regenerate the training corpus, cache target features, stats"
@@ -109,6 +117,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     feats.add_argument("--layers", type=_layer_list, help="feature layers (default: 5 spread)")
     feats.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward")
     feats.add_argument("--threads", type=int, help="torch CPU threads")
+    feats.add_argument(
+        "--part",
+        type=_part,
+        default=(1, 1),
+        metavar="K/N",
+        help="compute every N-th shard, starting at the K-th: N processes (one per core) share the work",
+    )
 
     stats = actions.add_parser("stats", help="summary of a corpus")
     stats.add_argument("--corpus", type=Path, action="append", help=corpus_help)
@@ -247,8 +262,14 @@ def _features(args: argparse.Namespace) -> int:
     target = _load_target(args)
     layers = args.layers or default_feature_layers(target.num_layers)
     for corpus in corpora:
-        store = build_features(target, corpus, layers, token_budget=args.token_budget, show_progress=True)
-        print(f"{store.folder}: features of layers {list(store.layers)} for {len(store)} sequences")
+        store = build_features(
+            target, corpus, layers, token_budget=args.token_budget, part=args.part, show_progress=True
+        )
+        if store is None:
+            k, n = args.part
+            print(f"{corpus.path}: part {k}/{n} of the features done; the other parts are still missing")
+        else:
+            print(f"{store.folder}: features of layers {list(store.layers)} for {len(store)} sequences")
     return 0
 
 

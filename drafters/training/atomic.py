@@ -30,15 +30,29 @@ def atomic_path(path: Path) -> Iterator[Path]:
 
 
 def remove_staging_files(folder: Path) -> int:
-    """Delete the temporaries a killed writer left in ``folder``; returns how many.
+    """Delete the temporaries that killed writers left in ``folder``; returns how many.
 
-    Only a writer that owns ``folder`` may call this (two writers of one folder are not
-    supported anyway).
+    A temporary names its writer's process id, so one of a live process (another writer of
+    the same folder, as when feature extraction is split over processes) is left alone.
     """
-    stale = list(folder.glob(".*.tmp*")) if folder.is_dir() else []
+    stale = [path for path in folder.glob(".*.tmp*") if not _writer_alive(path)] if folder.is_dir() else []
     for path in stale:
         path.unlink(missing_ok=True)
     return len(stale)
+
+
+def _writer_alive(staging: Path) -> bool:
+    """True when the process named by a staging file's ``.tmp<pid>`` suffix is running."""
+    pid = staging.name.rpartition(".tmp")[2]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
 
 
 def write_json_atomic(path: Path, payload: object) -> None:

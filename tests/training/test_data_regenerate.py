@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from jetflow.core.errors import DataError
+from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.kv_cache import SlabLayer
 from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
@@ -201,7 +203,7 @@ def test_resume_after_interruption_continues_without_duplicates(
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate(target, prompts, tmp_path / "corpus", **kwargs)
     assert len(Corpus(tmp_path / "corpus")) == 4
-    (tmp_path / "corpus" / ".shard-00001.safetensors.tmp999").write_bytes(b"torn")  # a killed write
+    (tmp_path / "corpus" / f".shard-00001.safetensors.tmp{_dead_pid()}").write_bytes(b"torn")  # killed
     calls.clear()
     resumed = regen.regenerate(target, prompts, tmp_path / "corpus", **kwargs)
     assert calls == [4, 2], "only the missing shards are generated"
@@ -210,6 +212,35 @@ def test_resume_after_interruption_continues_without_duplicates(
         assert torch.equal(resumed.sequence(i)[0], reference.sequence(i)[0])
     assert not [p for p in (tmp_path / "corpus").iterdir() if p.name.startswith(".")], "no staging files left"
     assert len(FeatureStore(resumed, LAYERS)) == 10
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited (so a staging file naming it is stale)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_processes_splitting_the_shards_fill_one_cache(tmp_path: Path) -> None:
+    target = make_tiny_target("llama", seed=5)
+    corpus = regen.regenerate(target, _prompts(7), tmp_path / "corpus", max_new_tokens=MAX_NEW, shard_size=2)
+    folder = tmp_path / "split"
+    folder.mkdir()
+    live, dead = folder / f".x.npy.tmp{os.getppid()}", folder / f".y.npy.tmp{_dead_pid()}"
+    live.write_bytes(b"another writer's")
+    dead.write_bytes(b"torn")
+    assert build_features(target, corpus, LAYERS, folder=folder, part=(2, 2)) is None
+    assert live.exists() and not dead.exists(), "only a dead writer's temporaries are removed"
+    with pytest.raises(DataError, match=r"missing or stale for corpus shards \[0, 2\]"):
+        FeatureStore(corpus, LAYERS, folder)
+    split = build_features(target, corpus, LAYERS, folder=folder, part=(1, 2))
+    whole = build_features(target, corpus, LAYERS, folder=tmp_path / "whole")
+    assert split is not None and whole is not None
+    for i in range(len(corpus)):
+        assert torch.equal(split.sequence(i)[2], whole.sequence(i)[2])
+        assert torch.equal(split.sequence(i)[3], whole.sequence(i)[3])
+    with pytest.raises(ConfigError, match="K/N"):
+        build_features(target, corpus, LAYERS, folder=folder, part=(3, 2))
 
 
 def test_resume_refuses_other_settings(tmp_path: Path) -> None:
