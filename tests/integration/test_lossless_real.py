@@ -31,17 +31,18 @@ def cases(real_target: Target) -> list[tuple[str, list[int], list[int]]]:
     return found
 
 
-@pytest.mark.parametrize(("policy", "budget"), [("chain", 6), ("best-first", 10)])
+@pytest.mark.parametrize(("policy", "budget", "half"), [("chain", 6, 0), ("best-first", 10, 1)])
 def test_speculative_output_equals_generate_fp32(
-    real_target: Target, cases, policy: str, budget: int
+    real_target: Target, cases, policy: str, budget: int, half: int
 ) -> None:
+    """Each policy on alternate prompts, so that every prompt is decoded once by one of them."""
     config = build_config(
         GenerateConfig,
         {"drafter": "ngram", "tree": {"policy": policy, "budget": budget}, "max_new_tokens": NEW_TOKENS},
     )
     engine = Engine(config, real_target)
     accepted = 0
-    for sample_id, ids, expected in cases:
+    for sample_id, ids, expected in cases[half::2]:
         result = engine.generate(ids)
         assert result.token_ids == expected, f"{sample_id}: speculative output differs from generate"
         accepted += sum(step.accepted for step in result.steps)
@@ -60,11 +61,11 @@ def test_speculative_output_equals_generate_fp32(
 def test_shipped_heads_are_lossless_fp32(
     real_target: Target, cases, drafter: str, policy: str, budget: int, params: dict
 ) -> None:
-    """Every shipped learned head, on four of the prompts (two HumanEval, two MT-Bench)."""
+    """Every shipped learned head, on three of the prompts (two HumanEval, one MT-Bench)."""
     fields = {"drafter": drafter, "drafter_params": params, "tree": {"policy": policy, "budget": budget}}
     engine = Engine(build_config(GenerateConfig, fields | {"max_new_tokens": NEW_TOKENS}), real_target)
     accepted = 0
-    for sample_id, ids, expected in cases[::3]:
+    for sample_id, ids, expected in cases[::4]:
         result = engine.generate(ids)
         assert result.token_ids == expected, f"{sample_id}: {drafter} output differs from generate"
         accepted += sum(step.accepted for step in result.steps)
