@@ -182,7 +182,8 @@ class FeatureWriter:
         }
         with FileLock(self.folder / MANIFEST_LOCK):
             on_disk = _read_manifest(self.folder)
-            if on_disk is not None and on_disk["target"] == self.manifest["target"]:
+            identity = ("target", "layers", "hidden_size")
+            if on_disk is not None and all(on_disk[key] == self.manifest[key] for key in identity):
                 self.manifest["shards"].update(on_disk["shards"])  # what other writers recorded
             self.manifest["shards"][str(index)] = record
             write_json_atomic(self.folder / MANIFEST_NAME, self.manifest)
