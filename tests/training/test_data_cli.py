@@ -38,10 +38,15 @@ def test_regenerate_features_and_stats(tiny, tmp_path: Path, capsys: pytest.Capt
     assert skipped == {"benchmark_overlap": ["2"], "duplicate_prompt": ["3"], "prompt_too_long": ["4"]}
     assert len(corpus.manifest["shards"]) == 3, "the second run added one shard per new conversation"
 
-    layers = "1,2"
-    assert main(["data", "features", "--corpus", str(out), "--layers", layers, "--threads", "1"]) == 0
+    features = ["data", "features", "--corpus", str(out), "--layers", "1,2", "--threads", "1"]
+    assert main([*features, "--part", "2/2"]) == 0  # two processes share the shards
+    assert "part 2/2 of the features done" in capsys.readouterr().out
+    assert main([*features, "--part", "1/2"]) == 0
+    assert "features of layers [1, 2] for 3 sequences" in capsys.readouterr().out
     assert len(FeatureStore(corpus, (1, 2))) == 3
-    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main([*features, "--part", "3/2"])
+    assert refused.value.code == 2 and "expected K/N" in capsys.readouterr().err
     assert main(["data", "stats", "--corpus", str(out), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["source"] == f"file:{prompts}" and stats["target"] == target.name
