@@ -51,7 +51,7 @@ def _writer_alive(staging: Path) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, owned by another user
-        return True
+        pass
     return True
 
 

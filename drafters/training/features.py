@@ -226,11 +226,7 @@ class FeatureStore:
         #: What the data is, small enough to copy into a checkpoint (no id list).
         self.manifest = {"corpus": corpus.name, **{k: corpus.manifest.get(k) for k in described}}
         self.manifest["feature_layers"] = list(self.layers)
-        stale = [
-            i
-            for i, record in enumerate(corpus.manifest["shards"][:n_shards])
-            if manifest["shards"].get(str(i), {}).get("tokens_sha256") != record["tokens_sha256"]
-        ]
+        stale = _stale_shards(manifest, corpus, n_shards)
         if stale:
             raise DataError(
                 f"{self.folder}: features missing or stale for corpus shards {stale[:8]}"
@@ -284,6 +280,16 @@ class FeatureStore:
             torch.from_numpy(features),
             torch.from_numpy(final[start:stop]),
         )
+
+
+def _stale_shards(manifest: dict | None, corpus: Corpus, n_shards: int | None = None) -> list[int]:
+    """Indices of the first ``n_shards`` corpus shards (all: None) the cache manifest has no features for."""
+    cached = manifest["shards"] if manifest else {}
+    return [
+        i
+        for i, record in enumerate(corpus.manifest["shards"][:n_shards])
+        if cached.get(str(i), {}).get("tokens_sha256") != record["tokens_sha256"]
+    ]
 
 
 def _find_cache(corpus_name: str, layers: tuple[int, ...]) -> Path:
@@ -374,9 +380,6 @@ def build_features(
             features, finals = teacher_forced_states(target.model, sequences, layers, token_budget)
             writer.write(index, corpus.manifest["shards"][index]["tokens_sha256"], features, finals)
             bar.update(len(shard))
-    try:
-        return FeatureStore(corpus, layers, folder)
-    except DataError:
-        if n == 1:
-            raise
+    if _stale_shards(_read_manifest(folder), corpus):  # every writer's records, as on disk now
         return None  # the other parts' shards are still being computed
+    return FeatureStore(corpus, layers, folder)

@@ -7,6 +7,7 @@ import torch
 from jetflow.bench import datasets
 from jetflow.bench.runner import turn_prompt_ids
 from jetflow.core.errors import DataError
+from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, heldout_dir, second_turn_dir
@@ -63,7 +64,7 @@ def test_cached_features_equal_a_teacher_forced_forward(
     (precision,) = store.manifest["features_computed_in"]
     if precision not in ROW_TOLERANCE:
         pytest.skip(f"features computed in {precision}: no forward to compare them with")
-    target = real_target if precision == "float32" else Target.load("default", getattr(torch, precision))
+    target = real_target if precision == "float32" else Target.load("default", resolve_dtype(precision))
     tokens, _, features, final = store.sequence(index)
     with torch.inference_mode():
         out = target.model(tokens[None], output_hidden_states=True)
