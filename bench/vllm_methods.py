@@ -6,9 +6,9 @@ loaded once and fed prompt token ids over a pipe; it times its own generations, 
 is not in the figures. ``vllm`` is plain greedy decoding and the reference of the other
 vLLM methods (their speedups and the lossless check); ``vllm-ngram`` is vLLM's prompt
 lookup; ``vllm-<drafter>`` serves the drafter's head exported by :mod:`jetflow.export`,
-drafting the head's whole block as a chain. A drafter whose head does not export is left
-out with the reason. Every engine runs with prefix caching off, like jetflow, which
-prefills each prompt from scratch.
+drafting a chain as long as each budget of the run (one engine per length). A drafter whose
+head does not export is left out with the reason. Every engine runs with prefix caching off,
+like jetflow, which prefills each prompt from scratch.
 """
 
 from __future__ import annotations
@@ -22,14 +22,18 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jetflow.bench.config import BenchConfig
 from jetflow.bench.generation import Generation, Method
+from jetflow.core.config import Budget
 from jetflow.core.errors import ConfigError, JetflowError
 from jetflow.core.precision import dtype_name
 from jetflow.core.registry import Registry
 from jetflow.core.target import Target
+
+if TYPE_CHECKING:
+    from jetflow.export.schema import DFlashConfig, Eagle3Config
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +212,24 @@ def build_vllm_methods(config: BenchConfig, target: Target, registry: Registry |
             continue
         path = write_export(export, folder / f"head-{label}")
         atexit.register(shutil.rmtree, path, True)
-        tokens = export.config.speculators_config.proposal_methods[0].speculative_tokens
-        speculative = {
-            "method": export.config.speculators_model_type,
-            "model": str(path),
-            "num_speculative_tokens": tokens,
-        }
-        methods.append(method(VLLM_PREFIX + label, speculative))
+        for tokens in chain_lengths(export.config, config.budgets):
+            speculative = {
+                "method": export.config.speculators_model_type,
+                "model": str(path),
+                "num_speculative_tokens": tokens,
+            }
+            methods.append(method(VLLM_PREFIX + label, speculative))
     return methods
+
+
+def chain_lengths(export: DFlashConfig | Eagle3Config, budgets: Sequence[Budget]) -> list[int]:
+    """The drafted tokens per step of one ``vllm-<drafter>`` engine per fixed budget of the run.
+
+    vLLM drafts a chain, so a budget of ``B`` nodes is ``B`` tokens, as in jetflow's chain
+    policy (bounded by the head, see ``chain_tokens``); budgets that come to the same length
+    share an engine. With only ``auto`` budgets the head drafts what its folder says.
+    """
+    fixed = [budget for budget in budgets if isinstance(budget, int) and budget > 0]
+    if not fixed:
+        return [export.speculative_tokens]
+    return sorted({export.chain_tokens(budget) for budget in fixed})

@@ -100,6 +100,14 @@ class _FolderConfig(_Model):
     def speculative_tokens(self) -> int:
         return self.speculators_config.proposal_methods[0].speculative_tokens
 
+    def chain_tokens(self, budget: int) -> int:
+        """vLLM's ``num_speculative_tokens`` for a chain of ``budget`` drafted tokens.
+
+        An autoregressive head drafts any number of steps, one at a time, like jetflow's chain
+        policy; a block head is bounded by its block (see :class:`DFlashConfig`).
+        """
+        return budget
+
     @property
     def own_lm_head(self) -> bool:
         """A draft vocabulary ships its LM-head rows and maps; the full one shares the target's."""
@@ -141,6 +149,11 @@ class DFlashConfig(_FolderConfig):
     @property
     def causal(self) -> bool:
         return not self.sliding_window_non_causal
+
+    def chain_tokens(self, budget: int) -> int:
+        """A causal block's slot ``i`` sees only slots before it, so its first ``budget`` slots draft
+        what a shorter block would; a bidirectional block drafts all of its slots or none."""
+        return min(budget, self.block_size - 1) if self.causal else self.block_size - 1
 
     def summary(self) -> str:
         kind = "causal" if self.causal else "bidirectional"

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from jetflow.bench.vllm_methods import chain_lengths
 from jetflow.cli.main import main
 from jetflow.core.errors import DataError
 from jetflow.core.tree import DraftTree
@@ -183,6 +184,12 @@ def test_vllms_computation_on_the_export_drafts_what_the_head_drafts(
             assert int(ids[0, 0]) == token
             tree = tree.extend(node, torch.tensor([token]), torch.zeros(1))
             node = torch.tensor([tree.size - 1])
+
+
+def test_vllm_drafts_an_eagle3_chain_as_long_as_each_budget(exported) -> None:
+    _, export = exported  # trained 3 steps deep, drafted one step at a time like jetflow's chain
+    assert chain_lengths(export.config, [2, 4, 8, 0]) == [2, 4, 8]
+    assert chain_lengths(export.config, ["auto"]) == [3]
 
 
 def test_a_written_folder_reads_back_without_a_mask_embedding(exported, tmp_path) -> None:

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from jetflow.bench.vllm_methods import chain_lengths
 from jetflow.cli.main import main
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.registry import default_registry
@@ -186,6 +187,15 @@ def test_a_bidirectional_export_must_draft_its_whole_block(exported) -> None:
     raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 2
     with pytest.raises(ValueError, match="block_size - 1"):
         DFlashConfig.model_validate(raw)
+
+
+def test_vllm_drafts_a_causal_block_as_far_as_the_budget_a_bidirectional_one_whole(exported) -> None:
+    _, export = exported  # a causal block of 4: 3 mask slots
+    assert chain_lengths(export.config, [1, 2, 16, "auto"]) == [1, 2, 3]  # the block bounds a chain
+    assert chain_lengths(export.config, ["auto"]) == [3]  # what the folder says
+    raw = json.loads(export.config.model_dump_json()) | {"sliding_window_non_causal": True}
+    bidirectional = DFlashConfig.model_validate(raw)
+    assert chain_lengths(bidirectional, [1, 2, 16]) == [3]  # every slot sees every other: all or none
 
 
 def test_the_shipped_heads_layouts_are_refused_with_what_differs(tiny_llama, tmp_path) -> None:
