@@ -60,10 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", help="output folder (default results/)")
     parser.add_argument(
         "--vllm",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="also run vllm, vllm-ngram and vllm-<drafter> for each drafter whose head exports "
-        "(in .venv-vllm: `make vllm`); their speedups are over vllm, jetflow's over ar",
+        "(in .venv-vllm: `make vllm`); their speedups are over vllm, jetflow's over ar "
+        "(--no-vllm: jetflow's methods only, where the config file asks for vLLM)",
     )
     parser.add_argument(
         "--resume",
@@ -82,6 +83,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def command_line(config: BenchConfig, config_file: str | None) -> str:
     """A command that reruns this comparison, recorded in results and report."""
+    from jetflow.core.config import load_toml
+
     words = ["jetflow", "bench"] + (["--config", config_file] if config_file else [])
     words += ["--drafters", ",".join(config.drafters), "--datasets", ",".join(config.datasets)]
     if config.limit is not None:
@@ -94,6 +97,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
         words += ["--temperature", str(config.temperature), "--seed", str(config.seed)]
     if config.vllm:
         words.append("--vllm")
+    elif config_file and load_toml(config_file).get("vllm"):
+        words.append("--no-vllm")  # the file turns vLLM on: the rerun must turn it off again
     if config.compile is not None:
         words.append("--compile" if config.compile else "--no-compile")
     return shlex.join(words)

@@ -144,3 +144,16 @@ def test_processes_with_different_data_sets_fill_one_results_file(
     report = (out / "report.md").read_text()
     assert f"file:{second}" in report and len(both.settings["commands"]) == 2
     assert all(f"* command: `{command}`" in report for command in both.settings["commands"])
+
+
+def test_no_vllm_turns_off_what_the_config_file_turns_on(tmp_path: Path) -> None:
+    from jetflow.bench.config import load_bench_config
+    from jetflow.cli.bench import command_line
+
+    file = tmp_path / "bench.toml"
+    file.write_text('drafters = ["ngram"]\nvllm = true\n')
+    off = load_bench_config(file, {"vllm": False})
+    assert not off.vllm and command_line(off, str(file)).endswith("--no-vllm")  # the rerun stays off
+    on = load_bench_config(file)
+    assert on.vllm and command_line(on, str(file)).endswith("--vllm")
+    assert "vllm" not in command_line(load_bench_config(None, {"drafters": ["ngram"]}), None)
