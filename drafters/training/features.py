@@ -380,6 +380,6 @@ def build_features(
             features, finals = teacher_forced_states(target.model, sequences, layers, token_budget)
             writer.write(index, corpus.manifest["shards"][index]["tokens_sha256"], features, finals)
             bar.update(len(shard))
-    if _stale_shards(_read_manifest(folder), corpus):  # every writer's records, as on disk now
+    if n > 1 and _stale_shards(_read_manifest(folder), corpus):  # every writer's records, on disk now
         return None  # the other parts' shards are still being computed
-    return FeatureStore(corpus, layers, folder)
+    return FeatureStore(corpus, layers, folder)  # a lone writer's missing shard is an error here
