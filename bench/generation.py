@@ -18,6 +18,8 @@ class Generation:
     Attributes:
         token_ids: the new tokens (an end-of-sequence token included, as it was emitted).
         wall_s: seconds from the call to the last token, prefill included.
+        prefill_s: the part of ``wall_s`` spent prefilling the prompt, or None where the
+            method does not separate it (``transformers.generate``, vLLM).
         steps: target forwards that emitted tokens (tau = tokens / steps).
         draft_s: seconds spent drafting.
         verify_s: seconds spent in target forwards (plus acceptance and cache commit).
@@ -33,6 +35,7 @@ class Generation:
     verify_s: float
     accepted: tuple[int, ...] | None
     budgets: tuple[int, ...] | None = None
+    prefill_s: float | None = None
 
 
 class Method(Protocol):

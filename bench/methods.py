@@ -37,6 +37,7 @@ class EngineMethod:
             verify_s=result.verify_s,
             accepted=tuple(step.accepted for step in result.steps),
             budgets=tuple(step.budget for step in result.steps) if self.budget is not None else None,
+            prefill_s=result.prefill_s,
         )
 
 

@@ -33,6 +33,20 @@ def tokens_per_s(records: Sequence[TurnRecord]) -> float:
     return tokens / wall if wall > 0 else 0.0
 
 
+def decode_tokens_per_s(records: Sequence[TurnRecord]) -> float | None:
+    """Tokens per second of decoding alone (prefill left out), None if a method hides its prefill.
+
+    Speculation cannot speed up the prefill, so the end-to-end speedup of short answers to long
+    prompts stays below this one, which it approaches as answers grow.
+    """
+    prefills = [record.generation.prefill_s for record in records]
+    if any(prefill is None for prefill in prefills):
+        return None
+    wall = sum(record.generation.wall_s for record in records) - sum(prefills)
+    tokens = sum(len(record.generation.token_ids) for record in records)
+    return tokens / wall if wall > 0 else 0.0
+
+
 def step_histogram(per_step: Sequence[tuple[int, ...] | None]) -> dict[str, int] | None:
     """Steps per value (JSON keys, ascending) over generations; None if any hides its steps."""
     counts: Counter[int] = Counter()
@@ -59,14 +73,19 @@ def summarise(
     dtype: str,
     records: Sequence[TurnRecord],
     ar_tokens_per_s: float,
+    ar_decode_tokens_per_s: float | None = None,
 ) -> dict[str, object]:
-    """One ``runs`` entry of results.json (the issue's keys first, then the detail)."""
+    """One ``runs`` entry of results.json (the issue's keys first, then the detail).
+
+    ``decode_speedup_vs_ar`` compares decoding alone, where both sides time their prefill.
+    """
     generations = [record.generation for record in records]
     wall = sum(g.wall_s for g in generations)
     tokens = sum(len(g.token_ids) for g in generations)
     steps = sum(g.steps for g in generations)
     divergences = [r.divergence for r in records if r.divergence is not None]
     speed = tokens_per_s(records)
+    decode = decode_tokens_per_s(records)
     budgets = budget_histogram(records)
     return {
         "method": method.name,
@@ -86,6 +105,11 @@ def summarise(
         "steps": steps,
         "wall_s": wall,
         "verify_share": sum(g.verify_s for g in generations) / wall if wall > 0 else 0.0,
+        "prefill_share": None if decode is None else sum(g.prefill_s for g in generations) / wall,
+        "decode_tokens_per_s": decode,
+        "decode_speedup_vs_ar": decode / ar_decode_tokens_per_s
+        if decode is not None and ar_decode_tokens_per_s
+        else None,
         "accept_histogram": accept_histogram(records),
         "budget_histogram": budgets,
         "rounding_ties": sum(d.kind == "tie" for d in divergences),

@@ -68,7 +68,8 @@ def _header(results: BenchResults) -> list[str]:
         f"max_new_tokens {settings.get('max_new_tokens')} per turn",
         f"* drafters {', '.join(settings.get('drafters', []))} at budgets "
         f"{', '.join(str(b) for b in settings.get('budgets', []))}; "
-        "speedup = tokens/s over `ar` (the same engine loop without a drafter) on the same prompts",
+        "speedup = tokens/s over `ar` (the same engine loop without a drafter) on the same prompts, "
+        "prefill included; decode speedup leaves every prefill out (speculation cannot shorten it)",
     ]
     commands = settings.get("commands") or [settings.get("command")]
     for command in filter(None, commands):
@@ -112,7 +113,10 @@ def _summary(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 def _dataset_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
-    header = ["method", "budget", "tau", "tokens/s", "speedup", "draft share", "verify share", "lossless"]
+    header = [
+        "method", "budget", "tau", "tokens/s", "speedup", "decode speedup", "prefill share", "draft share",
+        "verify share", "lossless",
+    ]  # fmt: skip
     for dataset in dict.fromkeys(run["dataset"] for run in runs):
         rows = [r for r in runs if r["dataset"] == dataset]
         first = rows[0]
@@ -131,6 +135,8 @@ def _dataset_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
                     f"{r['tau']:.2f}",
                     f"{r['tokens_per_s']:.1f}",
                     f"{r['speedup_vs_ar']:.2f}x",
+                    _optional(r.get("decode_speedup_vs_ar"), "{:.2f}x"),
+                    _optional(r.get("prefill_share"), "{:.1%}"),
                     f"{r['draft_share']:.1%}",
                     f"{r['verify_share']:.1%}",
                     _lossless(r),
@@ -139,6 +145,11 @@ def _dataset_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
             ],
         )
     return lines
+
+
+def _optional(value: float | None, form: str) -> str:
+    """A figure some methods do not measure (older results, or a prefill they do not time): ``-``."""
+    return "-" if value is None else form.format(value)
 
 
 def _acceptance(runs: Sequence[dict[str, Any]]) -> list[str]:

@@ -23,7 +23,7 @@ from jetflow.bench.generation import Generation, Method
 from jetflow.bench.lossless import LosslessChecker
 from jetflow.bench.machine import describe_machine
 from jetflow.bench.methods import build_methods
-from jetflow.bench.metrics import TurnRecord, summarise, tokens_per_s
+from jetflow.bench.metrics import TurnRecord, decode_tokens_per_s, summarise, tokens_per_s
 from jetflow.bench.results import BenchResults, check_compatible
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.registry import Registry
@@ -186,8 +186,9 @@ class BenchmarkRunner:
                 bar.set_postfix_str(name)
                 records = self.run_dataset(group, on_generation=bar.update)
                 speeds = {m.name: tokens_per_s(r) for m, r in zip(self.methods, records, strict=True)}
+                ar_decode = decode_tokens_per_s(records[0])
                 for method, method_records in zip(self.methods, records, strict=True):
-                    row = summarise(method, name, dtype, method_records, speeds[AR])
+                    row = summarise(method, name, dtype, method_records, speeds[AR], ar_decode)
                     row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
                     results.runs.append(row | {"temperature": self.config.temperature} | self._checked())
                 if on_dataset:

@@ -19,7 +19,7 @@ from jetflow.bench.config import AR, BenchConfig
 from jetflow.bench.datasets import FILE_PREFIX, load_dataset_samples
 from jetflow.bench.generation import Method
 from jetflow.bench.lossless import LosslessChecker
-from jetflow.bench.metrics import TurnRecord, summarise, tokens_per_s
+from jetflow.bench.metrics import TurnRecord, decode_tokens_per_s, summarise, tokens_per_s
 from jetflow.bench.runner import BenchmarkRunner, apply_threads, turn_prompt_ids
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.target import Target
@@ -131,7 +131,8 @@ class BenchSuite:
         if run.method is self.runner.methods[0]:
             ar_records.extend(run.records)
         dtype = dtype_name(self.target.dtype)
-        return summarise(run.method, run.dataset, dtype, run.records, tokens_per_s(ar_records))
+        speeds = tokens_per_s(ar_records), decode_tokens_per_s(ar_records)
+        return summarise(run.method, run.dataset, dtype, run.records, *speeds)
 
     def _warm_up(self, method: Method, prompt_ids: Sequence[int]) -> None:
         """One short untimed generation the first time a method is used."""

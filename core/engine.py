@@ -145,6 +145,7 @@ class Engine:
         cache, features = self.target.prefill(tokens[:-1], layers, capacity=context_needed)
         if self.drafting:
             self.drafter.prefill(features)
+        prefill_s = time.perf_counter() - start
         new: list[int] = []
         steps: list[StepRecord] = []
         finish: FinishReason | None = None
@@ -181,6 +182,7 @@ class Engine:
             text=self.target.decode(new),
             finish_reason=finish,
             wall_s=wall,
+            prefill_s=prefill_s,
             budget=self._budget_run(steps),
             steps=steps,
             attention=self.target.attention,

@@ -42,6 +42,8 @@ class GenerationResult:
     wall_s: float
     budget: int | None
     steps: list[StepRecord] = field(default_factory=list)
+    #: the part of ``wall_s`` spent prefilling the prompt (target and drafter), before any step
+    prefill_s: float = 0.0
     #: the verify forward's attention: ``triton-tree`` (the CUDA tree kernel) or ``sdpa``
     attention: str = "sdpa"
     #: the target's linear weights: ``packed`` once for oneDNN (CPU bfloat16) or ``plain``
@@ -76,6 +78,7 @@ class GenerationResult:
             "tau": round(self.tau, 4),
             "tokens_per_s": round(self.new_tokens / self.wall_s, 3) if self.wall_s else 0.0,
             "wall_s": round(self.wall_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "draft_forwards_per_step": round(self.draft_forwards / max(len(self.steps), 1), 4),

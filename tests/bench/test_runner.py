@@ -91,6 +91,19 @@ def test_runs_are_lossless_and_consistent(results: BenchResults) -> None:
     assert ar["speedup_vs_ar"] == 1.0 and ar["tau"] == 1.0 and ar["accept_histogram"] == {"0": ar["steps"]}
 
 
+def test_decode_speed_leaves_the_timed_prefill_out(results: BenchResults) -> None:
+    engine = [run for run in results.runs if not run["method"].startswith("hf-")]
+    for run in engine:
+        assert 0.0 < run["prefill_share"] < 1.0
+        assert run["decode_tokens_per_s"] > run["tokens_per_s"]
+        decode_wall = run["wall_s"] * (1 - run["prefill_share"])
+        assert run["decode_tokens_per_s"] == pytest.approx(run["new_tokens"] / decode_wall)
+    assert engine[0]["decode_speedup_vs_ar"] == 1.0
+    for run in results.runs:  # transformers.generate does not time its prefill apart
+        if run["method"].startswith("hf-"):
+            assert run["prefill_share"] is None and run["decode_speedup_vs_ar"] is None
+
+
 def test_drafters_accept_tokens_on_a_repetitive_prompt(results: BenchResults) -> None:
     drafted = [run for run in results.runs if run["budget"] is not None]
     assert all(run["tau"] > 1.0 for run in drafted)
