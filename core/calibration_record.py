@@ -59,6 +59,8 @@ class CalibrationKey(_Frozen):
     dtype: str
     drafter: str
     drafter_params: dict[str, Any]
+    #: the drafter's learned weights by content (:attr:`Drafter.weights_digest`)
+    drafter_weights: str | None = None
     policy: str
     policy_params: dict[str, Any]
     width: int
@@ -89,6 +91,7 @@ class CalibrationKey(_Frozen):
             dtype=dtype_name(target.dtype),
             drafter=drafter.name,
             drafter_params=drafter.params.model_dump(mode="json"),
+            drafter_weights=drafter.weights_digest,
             policy=policy.name,
             policy_params=policy.params.model_dump(mode="json"),
             width=tree.width,

@@ -205,6 +205,12 @@ class ComposedDrafter(Drafter):
     def feature_layers(self) -> tuple[int, ...]:
         return self.layers
 
+    @property
+    def weights_digest(self) -> str | None:
+        """The parts' digests together, None if no part has weights."""
+        digests = [drafter.weights_digest for drafter in self.drafters]
+        return None if digests == [None] * len(digests) else "+".join(d or "-" for d in digests)
+
     @classmethod
     def available_for(cls, target: Target) -> bool:
         return all(part.available_for(target) for part in cls.parts)

@@ -129,6 +129,12 @@ class Drafter(Plugin, ABC):
         """Whether the drafter can run on ``target`` with default parameters (e.g. a head is shipped)."""
         return True
 
+    @property
+    def weights_digest(self) -> str | None:
+        """A digest of the learned weights the drafter runs, None without any: the calibration's
+        acceptance curve belongs to these weights, not to the drafter's name and parameters."""
+        return None
+
     def reset(self) -> None:
         """Forget per-sequence state; called before each new prompt."""
 

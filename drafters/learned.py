@@ -9,8 +9,10 @@ rebuild their head from a checkpoint's architecture record and how to make a fre
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from abc import abstractmethod
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +20,7 @@ from jetflow.core.contracts import Drafter
 from jetflow.core.errors import JetflowError
 from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
-from jetflow.drafters.checkpoint import load_checkpoint, load_weights
+from jetflow.drafters.checkpoint import WEIGHTS_FILE, load_checkpoint, load_weights
 from pydantic import BaseModel
 from torch import nn
 
@@ -61,6 +63,12 @@ class LearnedDrafter(Drafter):
     @classmethod
     def package_dir(cls) -> Path:
         return Path(sys.modules[cls.__module__].__file__).parent
+
+    @cached_property
+    def weights_digest(self) -> str:
+        """The head's weights file by content: a head retrained into the same folder is another head."""
+        with (self.checkpoint / WEIGHTS_FILE).open("rb") as weights:
+            return hashlib.file_digest(weights, "sha256").hexdigest()[:20]
 
     @classmethod
     def available_for(cls, target: Target) -> bool:

@@ -18,6 +18,7 @@ from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
 
 from tests.conftest import make_tiny_target
+from tests.drafters.tiny_heads import save_head, tiny_head
 
 PROMPTS = ([7, 8, 9, 10, 11] * 3 + [7], [3, 4, 5, 6, 3, 4, 5, 6, 3])
 
@@ -163,6 +164,17 @@ def test_the_cache_round_trips_and_is_keyed(measured) -> None:
         assert cal.load_calibration(_key(target)) is None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_learned_drafter_is_keyed_by_its_weights_not_only_its_folder(tiny_llama: Target, tmp_path) -> None:
+    folder = tmp_path / "head"
+    params = {"drafter": "jetflow", "drafter_params": {"checkpoint": str(folder)}}
+    save_head(folder, tiny_llama, tiny_head(tiny_llama, seed=0))
+    first = _key(tiny_llama, **params)
+    assert first.drafter_weights and _key(tiny_llama, **params) == first
+    save_head(folder, tiny_llama, tiny_head(tiny_llama, seed=1))  # retrained into the same folder
+    assert _key(tiny_llama, **params) != first
+    assert _key(tiny_llama).drafter_weights is None  # ngram has no weights
 
 
 def test_calibration_needs_a_drafter_and_valid_budgets(tiny_llama: Target) -> None:
