@@ -27,8 +27,9 @@ class TurnRecord:
     divergence: Divergence | None = None
 
 
-def tokens_per_s(records: Sequence[TurnRecord]) -> float:
-    wall = sum(record.generation.wall_s for record in records)
+def tokens_per_s(records: Sequence[TurnRecord], leave_out_s: float = 0.0) -> float:
+    """New tokens per second of ``records``' wall time, less ``leave_out_s`` seconds of it."""
+    wall = sum(record.generation.wall_s for record in records) - leave_out_s
     tokens = sum(len(record.generation.token_ids) for record in records)
     return tokens / wall if wall > 0 else 0.0
 
@@ -42,9 +43,7 @@ def decode_tokens_per_s(records: Sequence[TurnRecord]) -> float | None:
     prefills = [record.generation.prefill_s for record in records]
     if any(prefill is None for prefill in prefills):
         return None
-    wall = sum(record.generation.wall_s for record in records) - sum(prefills)
-    tokens = sum(len(record.generation.token_ids) for record in records)
-    return tokens / wall if wall > 0 else 0.0
+    return tokens_per_s(records, leave_out_s=sum(prefills))
 
 
 def step_histogram(per_step: Sequence[tuple[int, ...] | None]) -> dict[str, int] | None:
