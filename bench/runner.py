@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from jetflow.bench.config import AR, VLLM_FIELDS, BenchConfig
 from jetflow.bench.datasets import Sample, load_dataset_samples
 from jetflow.bench.generation import Generation, Method
+from jetflow.bench.journal import SampleJournal, check_same_prompt, journal_path
 from jetflow.bench.lossless import LosslessChecker
 from jetflow.bench.machine import describe_machine
 from jetflow.bench.methods import build_methods
@@ -97,27 +100,50 @@ class BenchmarkRunner:
         for method in tqdm(self.methods, desc="warm-up", disable=not self.progress, leave=False):
             method.generate(prompt_ids, self.config.warmup_tokens)
 
-    def run_dataset(
-        self, samples: Sequence[Sample], on_generation: Callable[[], None] | None = None
+    def run_sample(
+        self, sample: Sample, on_generation: Callable[[], None] | None = None
     ) -> list[list[TurnRecord]]:
-        """Records per method (same order as ``methods``), every method on every turn."""
+        """Records per method (same order as ``methods``) of every turn of one sample."""
+        records: list[list[TurnRecord]] = [[] for _ in self.methods]
+        answers: list[str] = []
+        for index in range(len(sample.turns)):
+            prompt_ids = turn_prompt_ids(self.target, sample, index, answers)
+            generations: dict[str, Generation] = {}
+            for method, method_records in zip(self.methods, records, strict=True):
+                generation = method.generate(prompt_ids, self.config.max_new_tokens)
+                generations[method.name] = generation
+                reference = generations[reference_of(method)]
+                record = TurnRecord(sample.id, index, prompt_ids, generation)
+                if generation is not reference and self.config.greedy:
+                    record = self._compare(method, record, reference)
+                method_records.append(record)
+                if on_generation:
+                    on_generation()
+            answers.append(self.target.decode(list(generations[AR].token_ids)))
+        return records
+
+    def run_dataset(
+        self,
+        samples: Sequence[Sample],
+        on_generation: Callable[[], None] | None = None,
+        journal: SampleJournal | None = None,
+    ) -> list[list[TurnRecord]]:
+        """Records per method (same order as ``methods``), every method on every turn.
+
+        Samples in ``journal`` (measured by an earlier process) are read back instead of run;
+        every sample this process measures is journaled as soon as it ends.
+        """
         records: list[list[TurnRecord]] = [[] for _ in self.methods]
         for sample in samples:
-            answers: list[str] = []
-            for index in range(len(sample.turns)):
-                prompt_ids = turn_prompt_ids(self.target, sample, index, answers)
-                generations: dict[str, Generation] = {}
-                for method, method_records in zip(self.methods, records, strict=True):
-                    generation = method.generate(prompt_ids, self.config.max_new_tokens)
-                    generations[method.name] = generation
-                    reference = generations[reference_of(method)]
-                    record = TurnRecord(sample.id, index, prompt_ids, generation)
-                    if generation is not reference and self.config.greedy:
-                        record = self._compare(method, record, reference)
-                    method_records.append(record)
-                    if on_generation:
-                        on_generation()
-                answers.append(self.target.decode(list(generations[AR].token_ids)))
+            if journal is not None and sample.id in journal.finished:
+                sample_records = journal.finished[sample.id]
+                check_same_prompt(sample_records, turn_prompt_ids(self.target, sample, 0, []), journal.path)
+            else:
+                sample_records = self.run_sample(sample, on_generation)
+                if journal is not None:
+                    journal.append(sample.id, sample_records)
+            for method_records, more in zip(records, sample_records, strict=True):
+                method_records.extend(more)
         return records
 
     def _compare(self, method: Method, record: TurnRecord, reference: Generation) -> TurnRecord:
@@ -155,16 +181,25 @@ class BenchmarkRunner:
             "n_samples": {name: len(group) for name, group in samples.items()},
         }
 
+    def _open_journal(
+        self, folder: Path, dataset: str, settings: Mapping[str, object], resume: bool
+    ) -> SampleJournal:
+        return SampleJournal.open(journal_path(folder, dataset), self.target.name, settings, resume)
+
     def run(
         self,
         samples: Mapping[str, Sequence[Sample]],
         previous: BenchResults | None = None,
         on_dataset: Callable[[BenchResults], None] | None = None,
+        journal_dir: Path | None = None,
+        resume: bool = False,
     ) -> BenchResults:
         """Warm up, run every data set, and summarise one row per method x data set x budget.
 
         Data sets already in ``previous`` (a resumed run with the same settings) are kept as
-        they are; ``on_dataset`` sees the results after each data set (to save them).
+        they are; ``on_dataset`` sees the results after each data set (to save them). With a
+        ``journal_dir`` every finished sample is journaled there until its data set is saved,
+        and ``resume`` goes on from the samples an earlier process journaled.
         """
         dtype = dtype_name(self.target.dtype)
         results = BenchResults(describe_machine(), self.target.name, self.settings(samples))
@@ -178,21 +213,37 @@ class BenchmarkRunner:
         if not todo:
             log.warning("no samples to run")
             return results
-        first = next(iter(todo.values()))[0]
-        self.warm_up(turn_prompt_ids(self.target, first, 0, []))
-        total = count_turns(todo) * len(self.methods)
-        with tqdm(total=total, desc="generations", unit="gen", disable=not self.progress) as bar:
-            for name, group in todo.items():
-                bar.set_postfix_str(name)
-                records = self.run_dataset(group, on_generation=bar.update)
-                speeds = {m.name: tokens_per_s(r) for m, r in zip(self.methods, records, strict=True)}
-                ar_decode = decode_tokens_per_s(records[0])
-                for method, method_records in zip(self.methods, records, strict=True):
-                    row = summarise(method, name, dtype, method_records, speeds[AR], ar_decode)
-                    row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
-                    results.runs.append(row | {"temperature": self.config.temperature} | self._checked())
-                if on_dataset:
-                    on_dataset(results)
+        with ExitStack() as stack:
+            journals = {
+                name: stack.enter_context(self._open_journal(journal_dir, name, results.settings, resume))
+                for name in todo
+                if journal_dir is not None
+            }
+            journaled = {
+                name: [sample for sample in group if sample.id in journals[name].finished]
+                for name, group in todo.items()
+                if name in journals
+            }
+            for name, group in journaled.items():
+                if group:
+                    log.info("resuming %s after %d journaled samples", name, len(group))
+            first = next(iter(todo.values()))[0]
+            self.warm_up(turn_prompt_ids(self.target, first, 0, []))
+            total = (count_turns(todo) - count_turns(journaled)) * len(self.methods)
+            with tqdm(total=total, desc="generations", unit="gen", disable=not self.progress) as bar:
+                for name, group in todo.items():
+                    bar.set_postfix_str(name)
+                    records = self.run_dataset(group, on_generation=bar.update, journal=journals.get(name))
+                    speeds = {m.name: tokens_per_s(r) for m, r in zip(self.methods, records, strict=True)}
+                    ar_decode = decode_tokens_per_s(records[0])
+                    for method, method_records in zip(self.methods, records, strict=True):
+                        row = summarise(method, name, dtype, method_records, speeds[AR], ar_decode)
+                        row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
+                        results.runs.append(row | {"temperature": self.config.temperature} | self._checked())
+                    if on_dataset:
+                        on_dataset(results)
+                    if name in journals:
+                        journals[name].remove()
         return results
 
 
@@ -203,13 +254,16 @@ def run_benchmark(
     progress: bool = False,
     previous: BenchResults | None = None,
     on_dataset: Callable[[BenchResults], None] | None = None,
+    journal_dir: Path | None = None,
+    resume: bool = False,
 ) -> BenchResults:
     """Load the data, then the target (once), and run the whole comparison (or what
-    ``previous``, a run with the same settings, has not measured yet)."""
+    ``previous``, a run with the same settings, has not measured yet; ``journal_dir`` and
+    ``resume``: see :meth:`BenchmarkRunner.run`)."""
     samples = load_samples(config)
     apply_threads(config)
     if target is None:
         target = Target.load(config.target, resolve_dtype(config.dtype))
     log.info("target %s (%s), %d generations", target.name, dtype_name(target.dtype), count_turns(samples))
     runner = BenchmarkRunner(config, target, registry=registry, progress=progress)
-    return runner.run(samples, previous=previous, on_dataset=on_dataset)
+    return runner.run(samples, previous, on_dataset, journal_dir, resume)

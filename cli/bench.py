@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from jetflow.bench.config import BenchConfig
 
 EXIT_NOT_LOSSLESS = 1
+#: under --out: each unfinished data set's journal of finished samples
+JOURNAL_DIR = "journal"
 #: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
 _CONFIG_FLAGS = (
     *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
@@ -69,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the data sets already in OUT/results.json (same settings) and run the rest, "
-        "saving after every data set; processes given different --datasets can fill one OUT side by side",
+        help="keep the data sets already in OUT/results.json (same settings) and the samples journaled "
+        "in OUT/journal by a stopped run, and run the rest; processes given different --datasets can "
+        "fill one OUT side by side",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -122,7 +125,14 @@ def run(args: argparse.Namespace) -> int:
         results.write_json(saved)
         return results
 
-    results = run_benchmark(config, progress=not args.no_progress, previous=previous, on_dataset=save)
+    results = run_benchmark(
+        config,
+        progress=not args.no_progress,
+        previous=previous,
+        on_dataset=save,
+        journal_dir=Path(config.out) / JOURNAL_DIR,
+        resume=args.resume,
+    )
     paths = write_outputs(save(results), config.out)
     for run_row in results.runs:
         budget = "" if run_row["budget"] is None else f" B={run_row['budget']}"
