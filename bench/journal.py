@@ -32,6 +32,8 @@ from jetflow.core.errors import ConfigError
 
 #: per method, that method's records of one sample's turns
 SampleRecords = list[list[TurnRecord]]
+#: what a speed depends on (``describe_machine``'s keys): a data set's samples share them
+SAME_MACHINE_KEYS = ("cpu", "cpu_count", "device", "accelerator", "native_bf16", "torch", "transformers")
 
 
 def journal_path(folder: Path, dataset: str) -> Path:
@@ -94,11 +96,18 @@ class SampleJournal:
         self.finished = finished
 
     @classmethod
-    def open(cls, path: Path, target: str, settings: Mapping[str, Any], resume: bool) -> SampleJournal:
+    def open(
+        cls,
+        path: Path,
+        target: str,
+        settings: Mapping[str, Any],
+        machine: Mapping[str, Any],
+        resume: bool,
+    ) -> SampleJournal:
         """Open (``resume``: read back, else start anew) the journal at ``path``.
 
         Raises ConfigError where another process holds it, or where it was written under other
-        settings or is damaged.
+        settings, on another kind of machine, or is damaged.
         """
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = path.open("a+")
@@ -112,21 +121,20 @@ class SampleJournal:
         n_methods = len(settings["methods"])
         try:
             handle.seek(0)
-            finished, kept = (
-                cls._read(path, handle.read(), target, settings, n_methods) if resume else ({}, 0)
-            )
+            finished, kept = cls._read(path, handle.read(), target, settings, machine) if resume else ({}, 0)
         except ConfigError:
             handle.close()
             raise
         handle.truncate(kept)  # a cut-off last line goes; nothing measured is rewritten
         if kept == 0:
-            handle.write(json.dumps({"target": target, "settings": dict(settings)}) + "\n")
+            header = {"target": target, "settings": dict(settings), "machine": dict(machine)}
+            handle.write(json.dumps(header) + "\n")
             handle.flush()
         return cls(path, handle, n_methods, finished)
 
     @staticmethod
     def _read(
-        path: Path, text: str, target: str, settings: Mapping[str, Any], n_methods: int
+        path: Path, text: str, target: str, settings: Mapping[str, Any], machine: Mapping[str, Any]
     ) -> tuple[dict[str, SampleRecords], int]:
         """The journaled samples, and the byte length of the file's complete, readable lines."""
         lines = text.splitlines(keepends=True)
@@ -134,14 +142,20 @@ class SampleJournal:
             return {}, 0
         try:
             header = json.loads(lines[0])
-            check_compatible(
-                BenchResults({}, header["target"], header["settings"]),
-                BenchResults({}, target, dict(settings)),
-            )
+            # journals begun before the machine was recorded are taken as this machine's
+            previous = BenchResults(header.get("machine", machine), header["target"], header["settings"])
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ConfigError(
                 f"{path} is not a jetflow sample journal ({error}); remove it to start anew"
             ) from None
+        check_compatible(previous, BenchResults(dict(machine), target, dict(settings)))
+        moved = [key for key in SAME_MACHINE_KEYS if previous.machine.get(key) != machine.get(key)]
+        if moved:
+            shown = ", ".join(
+                f"{key} ({previous.machine.get(key)!r} -> {machine.get(key)!r})" for key in moved
+            )
+            raise ConfigError(f"{path} was measured on another machine: {shown}; remove it to start anew")
+        n_methods = len(settings["methods"])
         finished: dict[str, SampleRecords] = {}
         kept = len(lines[0].encode())
         for number, line in enumerate(lines[1:], start=2):

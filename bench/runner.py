@@ -181,10 +181,9 @@ class BenchmarkRunner:
             "n_samples": {name: len(group) for name, group in samples.items()},
         }
 
-    def _open_journal(
-        self, folder: Path, dataset: str, settings: Mapping[str, object], resume: bool
-    ) -> SampleJournal:
-        return SampleJournal.open(journal_path(folder, dataset), self.target.name, settings, resume)
+    def _open_journal(self, folder: Path, dataset: str, results: BenchResults, resume: bool) -> SampleJournal:
+        path = journal_path(folder, dataset)
+        return SampleJournal.open(path, results.target, results.settings, results.machine, resume)
 
     def run(
         self,
@@ -215,7 +214,7 @@ class BenchmarkRunner:
             return results
         with ExitStack() as stack:
             journals = {
-                name: stack.enter_context(self._open_journal(journal_dir, name, results.settings, resume))
+                name: stack.enter_context(self._open_journal(journal_dir, name, results, resume))
                 for name in todo
                 if journal_dir is not None
             }

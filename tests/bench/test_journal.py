@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 from jetflow.bench.config import load_bench_config
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.journal import SampleJournal, journal_path
+from jetflow.bench.machine import describe_machine
 from jetflow.bench.methods import build_methods
 from jetflow.bench.runner import BenchmarkRunner, load_samples
 from jetflow.core.errors import ConfigError
@@ -100,7 +102,7 @@ def test_a_run_without_resume_starts_its_journal_anew(bench_target: Target, setu
     assert counted.calls == 3, "every turn of both samples measured again"
 
 
-def test_a_journal_from_other_settings_or_damaged_is_refused(
+def test_a_journal_from_other_settings_another_machine_or_damaged_is_refused(
     bench_target: Target, setup, tmp_path: Path
 ) -> None:
     config, samples = setup
@@ -114,6 +116,18 @@ def test_a_journal_from_other_settings_or_damaged_is_refused(
 
     path = journal_path(tmp_path, name)
     header, sample = path.read_text().splitlines()
+    moved = json.loads(header)
+    moved["machine"]["cpu"] = "another processor"
+    path.write_text(f"{json.dumps(moved)}\n{sample}\n")
+    with pytest.raises(ConfigError, match="measured on another machine: cpu"):
+        _runner(config, bench_target)[0].run(samples, journal_dir=tmp_path, resume=True)
+
+    del moved["machine"]  # begun before the machine was recorded: taken as this machine's
+    path.write_text(f"{json.dumps(moved)}\n{sample}\n")
+    legacy, counted = _runner(config, bench_target)
+    legacy.run(samples, journal_dir=tmp_path, resume=True)
+    assert counted.calls == 2
+
     path.write_text(f"{header}\n{sample[:40]}\n{sample}\n")
     with pytest.raises(ConfigError, match="line 2 is damaged"):
         _runner(config, bench_target)[0].run(samples, journal_dir=tmp_path, resume=True)
@@ -127,9 +141,12 @@ def test_one_data_set_is_journaled_by_one_process(bench_target: Target, setup, t
     (name,) = samples
     runner = _runner(config, bench_target)[0]
     settings = runner.settings(samples)
-    with SampleJournal.open(journal_path(tmp_path, name), bench_target.name, settings, resume=False):
-        with pytest.raises(ConfigError, match="another process is measuring"):
-            runner.run(samples, journal_dir=tmp_path, resume=True)
+    path = journal_path(tmp_path, name)
+    with (
+        SampleJournal.open(path, bench_target.name, settings, describe_machine(), resume=False),
+        pytest.raises(ConfigError, match="another process is measuring"),
+    ):
+        runner.run(samples, journal_dir=tmp_path, resume=True)
 
 
 def test_journal_names_are_files_even_for_paths() -> None:
