@@ -7,15 +7,21 @@ then (``vllm``) vLLM's methods, measured against plain vLLM.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from jetflow.bench.config import AR, HF_GENERATE, HF_PROMPT_LOOKUP, BenchConfig
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.hf_baselines import HFGenerateMethod
-from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig
+from jetflow.core.calibration import calibrate, key_for, load_calibration, save_calibration
+from jetflow.core.calibration_record import CalibrationKey
+from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig, TreeConfig
 from jetflow.core.engine import Engine
+from jetflow.core.errors import ConfigError
 from jetflow.core.registry import Registry, default_registry
 from jetflow.core.target import Target
+
+log = logging.getLogger(__name__)
 
 
 class EngineMethod:
@@ -41,17 +47,55 @@ class EngineMethod:
         )
 
 
+def engine_config(
+    config: BenchConfig, drafter: str, tree: TreeConfig | None = None, params: dict | None = None
+) -> GenerateConfig:
+    """The engine configuration of one method of the run (``tree`` None: the drafter's defaults)."""
+    fields = {"target": config.target, "dtype": config.dtype, "drafter": drafter, "seed": config.seed}
+    fields["compile"] = config.compile
+    fields |= config.verifier_fields()
+    if tree is not None:
+        fields.update(tree=tree, drafter_params=params or {})
+    return GenerateConfig(**fields)
+
+
+def auto_configs(config: BenchConfig) -> list[GenerateConfig]:
+    """The engine configurations of the run's ``auto`` budgets (each starts from a calibration)."""
+    if AUTO_BUDGET not in config.budgets:
+        return []
+    return [
+        engine_config(config, spec.drafter, config.tree_config(spec, AUTO_BUDGET), config.params_of(spec))
+        for spec in config.drafter_specs
+    ]
+
+
+def calibrate_auto_runs(
+    config: BenchConfig, target: Target, registry: Registry | None = None, progress: bool = False
+) -> list[CalibrationKey]:
+    """Measure and cache, before anything is timed, the calibration each ``auto`` run starts from,
+    where this machine has none: the one ``jetflow calibrate`` makes with its defaults, so a
+    comparison with ``auto`` runs on a fresh machine with no step by hand. Returns what it measured.
+    """
+    measured = []
+    for generate in auto_configs(config):
+        key = key_for(generate, target, registry)
+        try:
+            if load_calibration(key) is not None:
+                continue
+        except ConfigError as error:  # stale or corrupt: the new record replaces it
+            log.warning("measuring again: %s", error)
+        log.warning("measuring the calibration of %s for its 'auto' runs (cached)", key.describe())
+        save_calibration(calibrate(generate, target, registry=registry, progress=progress))
+        measured.append(key)
+    return measured
+
+
 def build_methods(config: BenchConfig, target: Target, registry: Registry | None = None) -> list[Method]:
     """Every method of a run, ``ar`` first (the reference for speedups and losslessness)."""
     registry = registry or default_registry()
 
-    def engine(drafter: str, tree=None, params=None) -> Engine:
-        fields = {"target": config.target, "dtype": config.dtype, "drafter": drafter, "seed": config.seed}
-        fields["compile"] = config.compile
-        fields |= config.verifier_fields()
-        if tree is not None:
-            fields.update(tree=tree, drafter_params=params or {})
-        return Engine(GenerateConfig(**fields), target=target, registry=registry)
+    def engine(drafter: str, tree: TreeConfig | None = None, params: dict | None = None) -> Engine:
+        return Engine(engine_config(config, drafter, tree, params), target=target, registry=registry)
 
     methods: list[Method] = [EngineMethod(AR, engine(NO_DRAFTER))]
     if HF_GENERATE in config.baselines:

@@ -25,7 +25,7 @@ from jetflow.bench.generation import Generation, Method
 from jetflow.bench.journal import SampleJournal, check_same_prompt, journal_path
 from jetflow.bench.lossless import LosslessChecker
 from jetflow.bench.machine import describe_machine
-from jetflow.bench.methods import build_methods
+from jetflow.bench.methods import build_methods, calibrate_auto_runs
 from jetflow.bench.metrics import TurnRecord, decode_tokens_per_s, summarise, tokens_per_s
 from jetflow.bench.results import BenchResults, check_compatible
 from jetflow.core.precision import dtype_name, resolve_dtype
@@ -264,5 +264,6 @@ def run_benchmark(
     if target is None:
         target = Target.load(config.target, resolve_dtype(config.dtype))
     log.info("target %s (%s), %d generations", target.name, dtype_name(target.dtype), count_turns(samples))
+    calibrate_auto_runs(config, target, registry, progress)
     runner = BenchmarkRunner(config, target, registry=registry, progress=progress)
     return runner.run(samples, previous, on_dataset, journal_dir, resume)

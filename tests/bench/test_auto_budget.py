@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from jetflow.bench.config import load_bench_config
+from jetflow.bench.config import BenchConfig, load_bench_config
 from jetflow.bench.generation import Generation
-from jetflow.bench.methods import build_methods
+from jetflow.bench.methods import auto_configs, build_methods
 from jetflow.bench.metrics import TurnRecord, summarise
 from jetflow.bench.report import budget_label
 from jetflow.core import calibration as cal
@@ -60,3 +61,39 @@ def test_an_adaptive_run_is_named_by_its_most_used_budget_and_shows_the_mix() ->
         ar_tokens_per_s=2.5,
     )
     assert (fixed["budget"], budget_label(fixed)) == (4, "4")
+
+
+def _auto_config(config: BenchConfig, method: str) -> GenerateConfig:
+    """The engine configuration of ``method``'s auto run."""
+    (found,) = [
+        c for c, spec in zip(auto_configs(config), config.drafter_specs, strict=True) if spec.method == method
+    ]
+    return found
+
+
+def test_the_bench_measures_the_calibrations_its_auto_runs_lack(
+    bench_target: Target, prompt_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jetflow.bench import methods
+    from jetflow.bench.runner import run_benchmark
+
+    measured: list[cal.CalibrationKey] = []
+
+    def calibrate(config: GenerateConfig, target: Target, **_) -> cal.Calibration:
+        key = cal.key_for(config, target)
+        measured.append(key)
+        return _record(key, budget=3)
+
+    monkeypatch.setattr(methods, "calibrate", calibrate)
+    fields = {"drafters": ["ngram", "ngram:chain"], "budgets": ["auto", "4"], "baselines": []}
+    config = load_bench_config(None, fields | {"datasets": [f"file:{prompt_file}"], "max_new_tokens": 4})
+    chain = cal.key_for(_auto_config(config, "ngram:chain"), bench_target)
+    cal.save_calibration(_record(chain, budget=2))  # cached already: kept
+
+    results = run_benchmark(config, target=bench_target)
+    assert [key.policy for key in measured] == ["best-first"]
+    assert [(run["method"], run["budget"]) for run in results.runs if "@" in run["method"]] == [
+        ("ngram@auto", 3),
+        ("ngram:chain@auto", 2),
+    ]
+    assert methods.calibrate_auto_runs(config, bench_target) == [], "measured once, then cached"
