@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,8 @@ from jetflow.bench.lossless import Divergence
 from jetflow.bench.metrics import TurnRecord
 from jetflow.bench.results import BenchResults, check_compatible
 from jetflow.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: per method, that method's records of one sample's turns
 SampleRecords = list[list[TurnRecord]]
@@ -130,6 +133,8 @@ class SampleJournal:
             header = {"target": target, "settings": dict(settings), "machine": dict(machine)}
             handle.write(json.dumps(header) + "\n")
             handle.flush()
+        if finished:
+            log.info("%s: going on after %d samples an earlier run measured", path, len(finished))
         return cls(path, handle, n_methods, finished)
 
     @staticmethod

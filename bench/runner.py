@@ -181,6 +181,19 @@ class BenchmarkRunner:
             "n_samples": {name: len(group) for name, group in samples.items()},
         }
 
+    def _rows(
+        self, dataset: str, records: Sequence[Sequence[TurnRecord]], dtype: str
+    ) -> list[dict[str, object]]:
+        """One results row per method of a measured data set."""
+        speeds = {m.name: tokens_per_s(r) for m, r in zip(self.methods, records, strict=True)}
+        ar_decode = decode_tokens_per_s(records[0])
+        rows = []
+        for method, method_records in zip(self.methods, records, strict=True):
+            row = summarise(method, dataset, dtype, method_records, speeds[AR], ar_decode)
+            row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
+            rows.append(row | {"temperature": self.config.temperature} | self._checked())
+        return rows
+
     def _open_journal(self, folder: Path, dataset: str, results: BenchResults, resume: bool) -> SampleJournal:
         path = journal_path(folder, dataset)
         return SampleJournal.open(path, results.target, results.settings, results.machine, resume)
@@ -218,27 +231,21 @@ class BenchmarkRunner:
                 for name in todo
                 if journal_dir is not None
             }
-            journaled = {
-                name: [sample for sample in group if sample.id in journals[name].finished]
-                for name, group in todo.items()
-                if name in journals
-            }
-            for name, group in journaled.items():
-                if group:
-                    log.info("resuming %s after %d journaled samples", name, len(group))
             first = next(iter(todo.values()))[0]
             self.warm_up(turn_prompt_ids(self.target, first, 0, []))
-            total = (count_turns(todo) - count_turns(journaled)) * len(self.methods)
-            with tqdm(total=total, desc="generations", unit="gen", disable=not self.progress) as bar:
+            turns = sum(
+                len(sample.turns)
+                for name, group in todo.items()
+                for sample in group
+                if name not in journals or sample.id not in journals[name].finished
+            )
+            with tqdm(
+                total=turns * len(self.methods), desc="generations", unit="gen", disable=not self.progress
+            ) as bar:
                 for name, group in todo.items():
                     bar.set_postfix_str(name)
                     records = self.run_dataset(group, on_generation=bar.update, journal=journals.get(name))
-                    speeds = {m.name: tokens_per_s(r) for m, r in zip(self.methods, records, strict=True)}
-                    ar_decode = decode_tokens_per_s(records[0])
-                    for method, method_records in zip(self.methods, records, strict=True):
-                        row = summarise(method, name, dtype, method_records, speeds[AR], ar_decode)
-                        row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
-                        results.runs.append(row | {"temperature": self.config.temperature} | self._checked())
+                    results.runs += self._rows(name, records, dtype)
                     if on_dataset:
                         on_dataset(results)
                     if name in journals:
