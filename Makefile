@@ -68,6 +68,18 @@ ablation-%: setup scaling-data
 ablation: $(addprefix ablation-,$(ABLATION_ARMS))
 	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --out bench/results/ablation
 
+# The feature cache the scaling and ablation arms train on (the snapshot's corpora and the held-out
+# yardstick), one process per core (FEATURE_PARTS), in bf16 where the machine has it natively; shards
+# already cached are skipped, so it resumes.
+FEATURE_PARTS ?= 2
+.PHONY: ablation-features scaling-features
+ablation-features scaling-features: setup scaling-data
+	pids=""; for k in $$(seq $(FEATURE_PARTS)); do \
+		$(VENV)/bin/jetflow data features --threads 1 --part $$k/$(FEATURE_PARTS) \
+			--corpus $(SCALING_EVAL) --corpus $(SCALING_CORPUS) --corpus $(SCALING_CORPUS)-turn2 & \
+		pids="$$pids $$!"; \
+	done; for pid in $$pids; do wait $$pid || exit 1; done
+
 # The scaling table of issue 13: one training budget (2,000 steps of 4 sequences), one held-out
 # yardstick (the -heldout corpus: agreement per depth), one change per arm. The data is the corpus
 # as committed at SCALING_CORPUS_AT (11,320 sequences, 2.33M response tokens), extracted from git,
