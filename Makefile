@@ -53,14 +53,17 @@ gpu-check: setup
 bench: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/drafters.toml --out bench/results/drafters
 
-# The recipe ablation (issue 5, rerun at issue 13's scale): four runs that differ in one thing each
-# (the scaling table's data snapshot, budget, seed and yardstick; no path conditioning, which a
-# bidirectional block cannot have), then tau. `make ablation-ARM` trains one arm (resumable).
-ABLATION_ARMS  = forward-kl sft reverse-kl bidirectional
+# The recipe ablation (issue 5, rerun at issue 13's scale): runs that differ from forward-kl in one
+# thing each (the scaling table's data snapshot, budget, seed and yardstick; no path conditioning,
+# which a bidirectional block cannot have), then tau: the paper's loss and mask arms, and DFlash's
+# per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's.
+# `make ablation-ARM` trains one arm (resumable).
+ABLATION_ARMS  = forward-kl sft reverse-kl bidirectional depth-decay
 ABLATION_TRAIN = $(SCALING_TRAIN) $(SCALING_BASE_jetflow) --set head.path_conditioning=0
 ABLATION_SET_sft           = --set loss.kind=sft
 ABLATION_SET_reverse-kl    = --set loss.kind=reverse-kl
 ABLATION_SET_bidirectional = --config drafters/jetflow/train.toml   # the jetflow recipe, DFlash's mask
+ABLATION_SET_depth-decay   = --set loss.depth_decay=4.0             # DFlash's gamma for blocks of 8
 ABLATION_DRAFTER = $(if $(filter bidirectional,$(1)),dflash,jetflow)
 ablation-%: setup scaling-data
 	$(VENV)/bin/jetflow train --drafter $(call ABLATION_DRAFTER,$*) --out runs/ablation/$* $(ABLATION_TRAIN) \
