@@ -6,10 +6,11 @@ ratios need nothing else: its records go to ``<out>/journal/<data set>.jsonl`` a
 done, and a resumed run with the same settings reads them back and goes on with the next sample.
 The runner removes the file once its data set's rows are saved.
 
-Format: a JSON-lines file whose first line is ``{"target", "settings"}`` (compared on resume like
-``results.json``) and every further line one sample: ``{"sample_id", "turns": [{"prompt_ids",
-"records": [one per method, in the settings' method order]}]}``. A last line cut off by a killed
-process is dropped (its sample is measured again); any other damage is an error.
+Format: a JSON-lines file whose first line is ``{"target", "settings", "machine"}`` (compared on
+resume: the settings like ``results.json``'s, the machine by kind) and every further line one
+sample: ``{"sample_id", "turns": [{"prompt_ids", "records": [one per method, in the settings'
+method order]}]}``. A last line cut off by a killed process is dropped (its sample is measured
+again); any other damage is an error.
 """
 
 from __future__ import annotations
