@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 from jetflow.bench.config import AR, HF_GENERATE, HF_PROMPT_LOOKUP, BenchConfig
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.hf_baselines import HFGenerateMethod
-from jetflow.core.calibration import calibrate, key_for, load_calibration, save_calibration
-from jetflow.core.calibration_record import CalibrationKey
+from jetflow.core.calibration import Calibration, CalibrationKey, calibrate, key_for, load_or_calibrate
 from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig, TreeConfig
 from jetflow.core.engine import Engine
-from jetflow.core.errors import ConfigError
 from jetflow.core.registry import Registry, default_registry
 from jetflow.core.target import Target
 
@@ -79,15 +78,17 @@ def calibrate_auto_runs(
     measured = []
     for generate in auto_configs(config):
         key = key_for(generate, target, registry)
-        try:
-            if load_calibration(key) is not None:
-                continue
-        except ConfigError as error:  # stale or corrupt: the new record replaces it
-            log.warning("measuring again: %s", error)
-        log.warning("measuring the calibration of %s for its 'auto' runs (cached)", key.describe())
-        save_calibration(calibrate(generate, target, registry=registry, progress=progress))
-        measured.append(key)
+        measure = partial(_announced_calibration, key, generate, target, registry, progress)
+        if load_or_calibrate(key, measure)[1]:
+            measured.append(key)
     return measured
+
+
+def _announced_calibration(
+    key: CalibrationKey, config: GenerateConfig, target: Target, registry: Registry | None, progress: bool
+) -> Calibration:
+    log.warning("measuring the calibration of %s for its 'auto' runs (cached)", key.describe())
+    return calibrate(config, target, registry=registry, progress=progress)
 
 
 def build_methods(config: BenchConfig, target: Target, registry: Registry | None = None) -> list[Method]:

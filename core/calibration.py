@@ -94,6 +94,7 @@ __all__ = [
     "interpolate_latency",
     "key_for",
     "load_calibration",
+    "load_or_calibrate",
     "measure_verify_latency",
     "no_drafting_point",
     "past_the_peak",
@@ -159,31 +160,41 @@ def ensure_calibration(
     if not config.uses_drafter or config.tree.budget is not None:
         return None
     key = key_for(config, target, registry)
+
+    def first_use() -> Calibration:
+        if announce is not None:
+            announce(
+                f"jetflow: first use of {key.drafter} on this machine: measuring once which tree budget "
+                f"pays here (cached; `{calibrate_command(key, config.target)}` measures more)"
+            )
+        return calibrate(
+            config,
+            target,
+            prompts=CALIBRATION_PROMPTS[:2],
+            budgets=FIRST_USE_BUDGETS,
+            max_new_tokens=32,
+            repeats=3,
+            warmup=1,
+            registry=registry,
+            progress=progress,
+        )
+
+    return load_or_calibrate(key, first_use)[0]
+
+
+def load_or_calibrate(key: CalibrationKey, measure: Callable[[], Calibration]) -> tuple[Calibration, bool]:
+    """The calibration cached under ``key``, else ``measure()``'s, saved; and whether it was measured
+    now. A stale or corrupt record is measured again, and the new one replaces it."""
     try:
         cached = load_calibration(key)
-    except ConfigError as error:  # stale or corrupt: measure again, the new record replaces it
+    except ConfigError as error:
         log.warning("remeasuring: %s", error)
         cached = None
     if cached is not None:
-        return cached
-    if announce is not None:
-        announce(
-            f"jetflow: first use of {key.drafter} on this machine: measuring once which tree budget "
-            f"pays here (cached; `{calibrate_command(key, config.target)}` measures more)"
-        )
-    calibration = calibrate(
-        config,
-        target,
-        prompts=CALIBRATION_PROMPTS[:2],
-        budgets=FIRST_USE_BUDGETS,
-        max_new_tokens=32,
-        repeats=3,
-        warmup=1,
-        registry=registry,
-        progress=progress,
-    )
+        return cached, False
+    calibration = measure()
     save_calibration(calibration)
-    return calibration
+    return calibration, True
 
 
 def key_for(config: GenerateConfig, target: Target, registry: Registry | None = None) -> CalibrationKey:
