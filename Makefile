@@ -54,12 +54,16 @@ bench: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/drafters.toml --out bench/results/drafters
 
 # The recipe ablation (issue 5, rerun at issue 13's scale): runs that differ from forward-kl in one
-# thing each (the scaling table's data snapshot, budget, seed and yardstick; no path conditioning,
-# which a bidirectional block cannot have), then tau: the paper's loss and mask arms, and DFlash's
-# per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's.
+# thing each (the scaling table's budget, seed and yardstick; no path conditioning, which a
+# bidirectional block cannot have), then tau: the paper's loss and mask arms, and DFlash's
+# per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's. The arms
+# read the snapshot's first ABLATION_SEQUENCES first turns (one epoch of the 2,000-step budget), so
+# that the feature cache and every arm fit in one session of a 2-core machine.
 # `make ablation-ARM` trains one arm (resumable).
-ABLATION_ARMS  = forward-kl sft reverse-kl bidirectional depth-decay
-ABLATION_TRAIN = $(SCALING_TRAIN) $(SCALING_BASE_jetflow) --set head.path_conditioning=0
+ABLATION_ARMS      = forward-kl sft reverse-kl bidirectional depth-decay
+ABLATION_SEQUENCES = 8000
+ABLATION_TRAIN     = $(SCALING_TRAIN) $(SCALING_BASE_jetflow) --set head.path_conditioning=0 \
+	--set max_sequences=$(ABLATION_SEQUENCES)
 ABLATION_SET_sft           = --set loss.kind=sft
 ABLATION_SET_reverse-kl    = --set loss.kind=reverse-kl
 ABLATION_SET_bidirectional = --config drafters/jetflow/train.toml   # the jetflow recipe, DFlash's mask
@@ -71,15 +75,17 @@ ablation-%: setup scaling-data
 ablation: $(addprefix ablation-,$(ABLATION_ARMS))
 	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --out bench/results/ablation
 
-# The feature cache the scaling and ablation arms train on (the snapshot's corpora and the held-out
-# yardstick), one process per core (FEATURE_PARTS), in bf16 where the machine has it natively; shards
-# already cached are skipped, so it resumes.
+# The feature cache the scaling and ablation arms train on (the held-out yardstick and the snapshot's
+# corpora; the ablation reads only the first turns), one process per core (FEATURE_PARTS), in bf16
+# where the machine has it natively; shards already cached are skipped, so it resumes.
 FEATURE_PARTS ?= 2
+FEATURE_CORPORA_scaling  = $(SCALING_EVAL) $(SCALING_CORPUS) $(SCALING_CORPUS)-turn2
+FEATURE_CORPORA_ablation = $(SCALING_EVAL) $(SCALING_CORPUS)
 .PHONY: ablation-features scaling-features
-ablation-features scaling-features: setup scaling-data
+ablation-features scaling-features: %-features: setup scaling-data
 	pids=""; for k in $$(seq $(FEATURE_PARTS)); do \
 		$(VENV)/bin/jetflow data features --threads 1 --part $$k/$(FEATURE_PARTS) \
-			--corpus $(SCALING_EVAL) --corpus $(SCALING_CORPUS) --corpus $(SCALING_CORPUS)-turn2 & \
+			$(addprefix --corpus ,$(FEATURE_CORPORA_$*)) & \
 		pids="$$pids $$!"; \
 	done; for pid in $$pids; do wait $$pid || exit 1; done
 
