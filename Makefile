@@ -58,10 +58,12 @@ bench: setup
 # bidirectional block cannot have), then tau: the paper's loss and mask arms, and DFlash's
 # per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's. The arms
 # read the snapshot's first ABLATION_SEQUENCES first turns (one epoch of the 2,000-step budget), so
-# that the feature cache and every arm fit in one session of a 2-core machine.
-# `make ablation-ARM` trains one arm (resumable).
+# that the feature cache (`make ablation-features`) fits in a session of a 2-core machine.
+# `make ablation-ARM` trains one arm (resumable) and copies its head and log to
+# bench/results/ablation/ARM, which `make ablation-bench` measures and `make ablation-curves` tabulates.
 ABLATION_ARMS      = forward-kl sft reverse-kl bidirectional depth-decay
 ABLATION_SEQUENCES = 8000
+ABLATION_RESULTS   = bench/results/ablation
 ABLATION_TRAIN     = $(SCALING_TRAIN) $(SCALING_BASE_jetflow) --set head.path_conditioning=0 \
 	--set max_sequences=$(ABLATION_SEQUENCES)
 ABLATION_SET_sft           = --set loss.kind=sft
@@ -69,11 +71,20 @@ ABLATION_SET_reverse-kl    = --set loss.kind=reverse-kl
 ABLATION_SET_bidirectional = --config drafters/jetflow/train.toml   # the jetflow recipe, DFlash's mask
 ABLATION_SET_depth-decay   = --set loss.depth_decay=4.0             # DFlash's gamma for blocks of 8
 ABLATION_DRAFTER = $(if $(filter bidirectional,$(1)),dflash,jetflow)
+.PHONY: ablation ablation-bench ablation-curves
 ablation-%: setup scaling-data
 	$(VENV)/bin/jetflow train --drafter $(call ABLATION_DRAFTER,$*) --out runs/ablation/$* $(ABLATION_TRAIN) \
 		$(ABLATION_SET_$*)
+	mkdir -p $(ABLATION_RESULTS)/$*
+	rm -rf $(ABLATION_RESULTS)/$*/head && cp -r runs/ablation/$*/final $(ABLATION_RESULTS)/$*/head
+	cp runs/ablation/$*/train_log.jsonl $(ABLATION_RESULTS)/$*/
+ablation-bench: setup
+	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --resume
+ablation-curves: setup
+	$(VENV)/bin/jetflow curve $(wildcard $(addprefix $(ABLATION_RESULTS)/,$(ABLATION_ARMS))) \
+		--plot $(ABLATION_RESULTS)/curves.png > $(ABLATION_RESULTS)/agreement.md
 ablation: $(addprefix ablation-,$(ABLATION_ARMS))
-	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --out bench/results/ablation
+	$(MAKE) ablation-bench ablation-curves
 
 # The feature cache the scaling and ablation arms train on (the held-out yardstick and the snapshot's
 # corpora; the ablation reads only the first turns), one process per core (FEATURE_PARTS), in bf16
