@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jetflow.core.config import AUTO_BUDGET
 from jetflow.core.errors import ConfigError
 
 #: the keys of a run that the issue fixes, in order, with their JSON types
@@ -84,23 +85,32 @@ class BenchResults:
 _RESUME_FREE = frozenset({"out", "command", "commands", "datasets", "n_samples"})
 
 
-def check_compatible(previous: BenchResults, current: BenchResults) -> None:
+def _as_requested(methods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``methods`` as asked for: an ``auto`` run's starting budget is what this machine's
+    calibration chose (a measurement, recorded in each run), not a setting."""
+    return [m | {"budget": None} if m["method"].endswith(f"@{AUTO_BUDGET}") else m for m in methods]
+
+
+def check_compatible(previous: BenchResults, current: BenchResults, *, across_datasets: bool = False) -> None:
     """Refuse to mix figures measured under different settings into one table.
 
     Each data set is measured whole in one process, ar included, so speedups stay
     same-process ratios however many processes (resumed or side by side) fill one results
-    file; only the data sets may differ between them.
+    file; only the data sets may differ between them, and (``across_datasets``) the budget
+    each ``auto`` run started from, which the process's calibration chose. Within one data
+    set (a journal's samples) that budget must agree too, or one row would mix two runs.
     """
     if previous.target != current.target:
         raise ConfigError(
             f"cannot resume: the results are for target {previous.target!r}, not {current.target!r}"
         )
-    keys = (set(previous.settings) | set(current.settings)) - _RESUME_FREE
-    differ = sorted(key for key in keys if previous.settings.get(key) != current.settings.get(key))
+    settings = [previous.settings, current.settings]
+    if across_datasets:
+        settings = [s | {"methods": _as_requested(s["methods"])} if "methods" in s else s for s in settings]
+    keys = (set(settings[0]) | set(settings[1])) - _RESUME_FREE
+    differ = sorted(key for key in keys if settings[0].get(key) != settings[1].get(key))
     if differ:
-        shown = ", ".join(
-            f"{key} ({previous.settings.get(key)!r} -> {current.settings.get(key)!r})" for key in differ
-        )
+        shown = ", ".join(f"{key} ({settings[0].get(key)!r} -> {settings[1].get(key)!r})" for key in differ)
         raise ConfigError(f"cannot resume: the saved results were measured with other settings: {shown}")
     for name, count in previous.settings.get("n_samples", {}).items():
         if name in current.settings["n_samples"] and current.settings["n_samples"][name] != count:
@@ -124,7 +134,7 @@ def merge_saved(path: Path, results: BenchResults) -> BenchResults:
             merged = results
         else:
             merged = BenchResults.read_json(path)
-            check_compatible(merged, results)
+            check_compatible(merged, results, across_datasets=True)
             saved = {run["dataset"] for run in merged.runs}
             merged.runs += [run for run in results.runs if run["dataset"] not in saved]
             n_samples = merged.settings.get("n_samples", {}) | results.settings.get("n_samples", {})
