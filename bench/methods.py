@@ -8,15 +8,26 @@ then (``vllm``) vLLM's methods, measured against plain vLLM.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 
 from jetflow.bench.config import AR, HF_GENERATE, HF_PROMPT_LOOKUP, BenchConfig
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.hf_baselines import HFGenerateMethod
-from jetflow.core.calibration import Calibration, CalibrationKey, calibrate, key_for, load_or_calibrate
+from jetflow.core.calibration import (
+    Calibration,
+    CalibrationKey,
+    calibrate,
+    calibration_path,
+    install_calibration,
+    key_for,
+    load_or_calibrate,
+)
 from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig, TreeConfig
 from jetflow.core.engine import Engine
+from jetflow.core.errors import ConfigError
 from jetflow.core.registry import Registry, default_registry
 from jetflow.core.target import Target
 
@@ -69,18 +80,37 @@ def auto_configs(config: BenchConfig) -> list[GenerateConfig]:
 
 
 def calibrate_auto_runs(
-    config: BenchConfig, target: Target, registry: Registry | None = None, progress: bool = False
+    config: BenchConfig,
+    target: Target,
+    registry: Registry | None = None,
+    progress: bool = False,
+    kept: Path | None = None,
+    resume: bool = False,
 ) -> list[CalibrationKey]:
     """Measure and cache, before anything is timed, the calibration each ``auto`` run starts from,
     where this machine has none: the one ``jetflow calibrate`` makes with its defaults, so a
     comparison with ``auto`` runs on a fresh machine with no step by hand. Returns what it measured.
+
+    ``kept`` (the results folder's copy) holds the calibrations the results were measured from:
+    each one used is written there, and a ``resume`` starts from the one kept for this machine
+    kind rather than a new measurement, so a data set stopped part-way goes on from the same
+    starting budget in a later session, where the machine's own cache is gone.
     """
     measured = []
     for generate in auto_configs(config):
         key = key_for(generate, target, registry)
+        copy = None if kept is None else kept / calibration_path(key).name
+        if resume and copy is not None and copy.is_file():
+            try:
+                install_calibration(copy, key)
+            except ConfigError as error:
+                log.warning("measuring anew: %s", error)
         measure = partial(_announced_calibration, key, generate, target, registry, progress)
         if load_or_calibrate(key, measure)[1]:
             measured.append(key)
+        if copy is not None:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(calibration_path(key), copy)
     return measured
 
 

@@ -216,7 +216,7 @@ class BenchmarkRunner:
         dtype = dtype_name(self.target.dtype)
         results = BenchResults(describe_machine(), self.target.name, self.settings(samples))
         if previous is not None:
-            check_compatible(previous, results)
+            check_compatible(previous, results, across_datasets=True)
             results.runs = list(previous.runs)
         done = {run["dataset"] for run in results.runs}
         todo = {name: group for name, group in samples.items() if name not in done and group}
@@ -262,15 +262,17 @@ def run_benchmark(
     on_dataset: Callable[[BenchResults], None] | None = None,
     journal_dir: Path | None = None,
     resume: bool = False,
+    kept_calibrations: Path | None = None,
 ) -> BenchResults:
     """Load the data, then the target (once), and run the whole comparison (or what
     ``previous``, a run with the same settings, has not measured yet; ``journal_dir`` and
-    ``resume``: see :meth:`BenchmarkRunner.run`)."""
+    ``resume``: see :meth:`BenchmarkRunner.run`; ``kept_calibrations``: see
+    :func:`~jetflow.bench.methods.calibrate_auto_runs`)."""
     samples = load_samples(config)
     apply_threads(config)
     if target is None:
         target = Target.load(config.target, resolve_dtype(config.dtype))
     log.info("target %s (%s), %d generations", target.name, dtype_name(target.dtype), count_turns(samples))
-    calibrate_auto_runs(config, target, registry, progress)
+    calibrate_auto_runs(config, target, registry, progress, kept=kept_calibrations, resume=resume)
     runner = BenchmarkRunner(config, target, registry=registry, progress=progress)
     return runner.run(samples, previous, on_dataset, journal_dir, resume)

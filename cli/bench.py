@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 EXIT_NOT_LOSSLESS = 1
 #: under --out: each unfinished data set's journal of finished samples
 JOURNAL_DIR = "journal"
+#: under --out: the calibrations its ``auto`` runs started from (a resume starts from them again)
+CALIBRATION_DIR = "calibration"
 #: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
 _CONFIG_FLAGS = (
     *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
@@ -72,8 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--resume",
         action="store_true",
         help="keep the data sets already in OUT/results.json (same settings) and the samples journaled "
-        "in OUT/journal by a stopped run, and run the rest; processes given different --datasets can "
-        "fill one OUT side by side",
+        "in OUT/journal by a stopped run, and run the rest, its auto runs starting from the calibrations "
+        "kept in OUT/calibration; processes given different --datasets can fill one OUT side by side",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -132,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         on_dataset=save,
         journal_dir=Path(config.out) / JOURNAL_DIR,
         resume=args.resume,
+        kept_calibrations=Path(config.out) / CALIBRATION_DIR,
     )
     paths = write_outputs(save(results), config.out)
     for run_row in results.runs:

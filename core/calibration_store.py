@@ -64,6 +64,21 @@ def save_calibration(calibration: Calibration) -> Path:
     return path
 
 
+def install_calibration(path: Path, key: CalibrationKey) -> Calibration:
+    """Make the calibration record at ``path`` (one kept beside results) the cached one for ``key``.
+
+    Raises :class:`ConfigError` where the file is not a usable record for ``key``.
+    """
+    try:
+        calibration = Calibration.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValidationError) as error:
+        raise ConfigError(f"{path} is not a usable calibration record ({type(error).__name__})") from None
+    if calibration.key != key:
+        raise ConfigError(f"{path} was measured for another setup than {key.describe()}")
+    save_calibration(calibration)
+    return calibration
+
+
 def compiling_pays(key: CalibrationKey) -> bool:
     """Whether ``key``'s setup is calibrated through the compiled target and predicts more
     tokens/s there than through the eager forward (or has no eager calibration to compare).

@@ -97,3 +97,36 @@ def test_the_bench_measures_the_calibrations_its_auto_runs_lack(
         ("ngram:chain@auto", 2),
     ]
     assert methods.calibrate_auto_runs(config, bench_target) == [], "measured once, then cached"
+
+
+def test_a_resumed_bench_starts_its_auto_runs_from_the_calibrations_kept_with_its_results(
+    bench_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from jetflow.bench import methods
+
+    monkeypatch.setattr(
+        methods, "calibrate", lambda config, target, **_: _record(cal.key_for(config, target), 5)
+    )
+    config = load_bench_config(None, {"drafters": ["ngram"], "budgets": ["auto"], "baselines": []})
+    key = cal.key_for(_auto_config(config, "ngram"), bench_target)
+    kept = tmp_path / "results" / "calibration"
+    cal.save_calibration(_record(key, budget=3))
+    assert methods.calibrate_auto_runs(config, bench_target, kept=kept) == []
+    cal.save_calibration(_record(key, budget=2))  # a later session measured its own
+
+    methods.calibrate_auto_runs(config, bench_target, kept=kept)  # a new run: the machine's own
+    assert cal.load_calibration(key).budget == 2
+    methods.calibrate_auto_runs(config, bench_target, kept=kept / "other", resume=True)
+    assert cal.load_calibration(key).budget == 2, "nothing kept there: the machine's own"
+    (kept / cal.calibration_path(key).name).write_text(_record(key, budget=3).model_dump_json())
+    methods.calibrate_auto_runs(config, bench_target, kept=kept, resume=True)
+    assert cal.load_calibration(key).budget == 3, "a resume: the one its results started from"
+
+    (kept / cal.calibration_path(key).name).write_text("{")
+    with caplog.at_level("WARNING"):
+        methods.calibrate_auto_runs(config, bench_target, kept=kept, resume=True)
+    assert "not a usable calibration record" in caplog.text
+    assert cal.load_calibration(key).budget == 3
+    assert (
+        cal.Calibration.model_validate_json((kept / cal.calibration_path(key).name).read_text()).budget == 3
+    )
