@@ -32,25 +32,35 @@ def load_calibration(key: CalibrationKey) -> Calibration | None:
     path = calibration_path(key)
     if not path.is_file():
         return None
-    rerun = f"rerun `jetflow calibrate --force` ({path})"
+    try:
+        return _read_record(path, key)
+    except _UnusableRecord as problem:
+        raise ConfigError(
+            f"the cached calibration {problem}; rerun `jetflow calibrate --force` ({path})"
+        ) from None
+
+
+class _UnusableRecord(Exception):
+    """Why a calibration file cannot be used (completed into a ConfigError by the caller)."""
+
+
+def _read_record(path: Path, key: CalibrationKey) -> Calibration:
+    """The calibration record at ``path``, checked to be of this schema and for ``key``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise ConfigError(f"the cached calibration is unreadable ({type(error).__name__}); {rerun}") from None
+        raise _UnusableRecord(f"is unreadable ({type(error).__name__})") from None
     if not isinstance(data, dict) or data.get("version") != SCHEMA_VERSION:
         found = data.get("version") if isinstance(data, dict) else None
-        raise ConfigError(
-            f"the cached calibration has schema version {found!r}, not {SCHEMA_VERSION}; {rerun}"
-        )
+        raise _UnusableRecord(f"has schema version {found!r}, not {SCHEMA_VERSION}")
     try:
         calibration = Calibration.model_validate(data)
     except ValidationError as error:
         problem = error.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
-        message = f"the cached calibration is invalid at {where}: {problem['msg']}"
-        raise ConfigError(f"{message}; {rerun}") from None
+        raise _UnusableRecord(f"is invalid at {where}: {problem['msg']}") from None
     if calibration.key != key:
-        raise ConfigError(f"the cached calibration was measured for another setup; {rerun}")
+        raise _UnusableRecord("was measured for another setup")
     return calibration
 
 
@@ -70,11 +80,9 @@ def install_calibration(path: Path, key: CalibrationKey) -> Calibration:
     Raises :class:`ConfigError` where the file is not a usable record for ``key``.
     """
     try:
-        calibration = Calibration.model_validate_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValidationError) as error:
-        raise ConfigError(f"{path} is not a usable calibration record ({type(error).__name__})") from None
-    if calibration.key != key:
-        raise ConfigError(f"{path} was measured for another setup than {key.describe()}")
+        calibration = _read_record(path, key)
+    except _UnusableRecord as problem:
+        raise ConfigError(f"{path} is not a usable calibration record: it {problem}") from None
     save_calibration(calibration)
     return calibration
 
