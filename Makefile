@@ -56,12 +56,14 @@ bench: setup
 # The recipe ablation (issue 5, rerun at issue 13's scale): runs that differ from forward-kl in one
 # thing each (the scaling table's budget, seed and yardstick; no path conditioning, which a
 # bidirectional block cannot have), then tau: the paper's loss and mask arms, and DFlash's
-# per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's. The arms
+# per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's; and
+# sft-depth-decay, the two winning changes together (DFlash's loss on the causal block, the recipe
+# for a retrained jetflow head), compared on held-out agreement only (not in the tau bench). The arms
 # read the snapshot's first ABLATION_SEQUENCES first turns (one epoch of the 2,000-step budget), so
 # that the feature cache (`make ablation-features`) fits in a session of a 2-core machine.
 # `make ablation-ARM` trains one arm (resumable) and copies its head and log to
 # bench/results/ablation/ARM, which `make ablation-bench` measures and `make ablation-curves` tabulates.
-ABLATION_ARMS      = forward-kl sft reverse-kl bidirectional depth-decay
+ABLATION_ARMS      = forward-kl sft reverse-kl bidirectional depth-decay sft-depth-decay
 ABLATION_SEQUENCES = 8000
 ABLATION_RESULTS   = bench/results/ablation
 ABLATION_TRAIN     = $(SCALING_TRAIN) $(SCALING_BASE_jetflow) --set head.path_conditioning=0 \
@@ -70,6 +72,7 @@ ABLATION_SET_sft           = --set loss.kind=sft
 ABLATION_SET_reverse-kl    = --set loss.kind=reverse-kl
 ABLATION_SET_bidirectional = --config drafters/jetflow/train.toml   # the jetflow recipe, DFlash's mask
 ABLATION_SET_depth-decay   = --set loss.depth_decay=4.0             # DFlash's gamma for blocks of 8
+ABLATION_SET_sft-depth-decay = --set loss.kind=sft --set loss.depth_decay=4.0  # both: DFlash's loss, causal
 ABLATION_DRAFTER = $(if $(filter bidirectional,$(1)),dflash,jetflow)
 .PHONY: ablation ablation-bench ablation-curves
 ablation-%: setup scaling-data
