@@ -58,7 +58,7 @@ bench: setup
 # bidirectional block cannot have), then tau: the paper's loss and mask arms, and DFlash's
 # per-depth loss weights, the third way the shipped dflash recipe differs from jetflow's; and
 # sft-depth-decay, the two winning changes together (DFlash's loss on the causal block, the recipe
-# for a retrained jetflow head), compared on held-out agreement only (not in the tau bench). The arms
+# for a retrained jetflow head), benched in a process of its own so the five keep theirs. The arms
 # read the snapshot's first ABLATION_SEQUENCES first turns (one epoch of the 2,000-step budget), so
 # that the feature cache (`make ablation-features`) fits in a session of a 2-core machine.
 # `make ablation-ARM` trains one arm (resumable) and copies its head and log to
@@ -83,6 +83,8 @@ ablation-%: setup scaling-data
 	cp runs/ablation/$*/train_log.jsonl $(ABLATION_RESULTS)/$*/
 ablation-bench: setup
 	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --resume
+	$(VENV)/bin/jetflow bench --config bench/configs/ablation.toml --drafters sft-depth-decay \
+		--out $(ABLATION_RESULTS)/sft-depth-decay/bench --resume
 ablation-curves: setup
 	$(VENV)/bin/jetflow curve $(wildcard $(addprefix $(ABLATION_RESULTS)/,$(ABLATION_ARMS))) \
 		--plot $(ABLATION_RESULTS)/curves.png > $(ABLATION_RESULTS)/agreement.md
