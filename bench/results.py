@@ -91,6 +91,15 @@ def _as_requested(methods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m | {"budget": None} if m["method"].endswith(f"@{AUTO_BUDGET}") else m for m in methods]
 
 
+def _measured_variants(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``variants`` cut to those its drafters run: a variant the config
+    defines but no run measures changes no figure, so adding one must not stop a resume."""
+    if "variants" not in settings:
+        return settings
+    used = {entry.partition(":")[0] for entry in settings.get("drafters", [])}
+    return settings | {"variants": {k: v for k, v in settings["variants"].items() if k in used}}
+
+
 def check_compatible(previous: BenchResults, current: BenchResults, *, across_datasets: bool = False) -> None:
     """Refuse to mix figures measured under different settings into one table.
 
@@ -104,7 +113,7 @@ def check_compatible(previous: BenchResults, current: BenchResults, *, across_da
         raise ConfigError(
             f"cannot resume: the results are for target {previous.target!r}, not {current.target!r}"
         )
-    settings = [previous.settings, current.settings]
+    settings = [_measured_variants(previous.settings), _measured_variants(current.settings)]
     if across_datasets:
         settings = [s | {"methods": _as_requested(s["methods"])} if "methods" in s else s for s in settings]
     keys = (set(settings[0]) | set(settings[1])) - _RESUME_FREE
@@ -136,7 +145,10 @@ def merge_saved(path: Path, results: BenchResults) -> BenchResults:
             merged = BenchResults.read_json(path)
             check_compatible(merged, results, across_datasets=True)
             saved = {run["dataset"] for run in merged.runs}
-            merged.runs += [run for run in results.runs if run["dataset"] not in saved]
+            added = [run for run in results.runs if run["dataset"] not in saved]
+            if not added:
+                return merged  # a resume with nothing left to measure filled nothing
+            merged.runs += added
             n_samples = merged.settings.get("n_samples", {}) | results.settings.get("n_samples", {})
             datasets = list(
                 dict.fromkeys([*merged.settings.get("datasets", []), *results.settings.get("datasets", [])])

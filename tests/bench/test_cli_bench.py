@@ -115,10 +115,9 @@ def test_resume_measures_nothing_twice_and_refuses_a_broken_file(
 ) -> None:
     argv = _argv(tiny_target_dir, prompt_file, tmp_path)
     assert main(argv) == 0
-    first = BenchResults.read_json(tmp_path / "results.json")
+    first = (tmp_path / "results.json").read_text()
     assert main([*argv, "--resume"]) == 0
-    again = BenchResults.read_json(tmp_path / "results.json")
-    assert again.runs == first.runs and again.settings["command"].endswith("--resume")
+    assert (tmp_path / "results.json").read_text() == first  # nothing measured, nothing recorded
     (tmp_path / "results.json").write_text('{"machine": {}')
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 2

@@ -40,3 +40,33 @@ def test_a_fixed_budget_that_differs_is_still_refused(tmp_path: Path) -> None:
     merge_saved(path, _results("a", auto_budget=4))
     with pytest.raises(ConfigError, match=r"cannot resume.*methods"):
         merge_saved(path, _results("b", auto_budget=4, fixed_budget=8))
+
+
+def _with_variants(results: BenchResults, drafters: list[str], variants: dict[str, str]) -> BenchResults:
+    defined = {name: {"drafter": "jetflow", "params": {"checkpoint": at}} for name, at in variants.items()}
+    results.settings |= {"drafters": drafters, "variants": defined}
+    return results
+
+
+def test_a_variant_defined_but_not_measured_does_not_stop_a_resume() -> None:
+    saved = _with_variants(_results("a", 4), ["arm:best-first"], {"arm": "heads/arm"})
+    current = _with_variants(_results("a", 4), ["arm:best-first"], {"arm": "heads/arm", "new": "heads/new"})
+    check_compatible(saved, current)
+    check_compatible(current, saved)
+
+
+def test_a_measured_variant_whose_parameters_changed_is_refused() -> None:
+    saved = _with_variants(_results("a", 4), ["arm"], {"arm": "heads/arm"})
+    current = _with_variants(_results("a", 4), ["arm"], {"arm": "heads/retrained"})
+    with pytest.raises(ConfigError, match=r"cannot resume.*variants"):
+        check_compatible(saved, current)
+
+
+def test_a_resume_that_measures_nothing_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    merge_saved(path, _results("a", auto_budget=4))
+    before = path.read_text()
+    again = _results("a", auto_budget=4)
+    again.settings["command"] = "jetflow bench --resume"
+    merge_saved(path, again)
+    assert path.read_text() == before
