@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jetflow.bench.config import DrafterSpec
 from jetflow.core.config import AUTO_BUDGET
 from jetflow.core.errors import ConfigError
 
@@ -94,10 +95,12 @@ def _as_requested(methods: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _measured_variants(settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` with ``variants`` cut to those its drafters run: a variant the config
     defines but no run measures changes no figure, so adding one must not stop a resume."""
-    if "variants" not in settings:
+    defined = settings.get("variants")
+    if not defined:
         return settings
-    used = {entry.partition(":")[0] for entry in settings.get("drafters", [])}
-    return settings | {"variants": {k: v for k, v in settings["variants"].items() if k in used}}
+    runs = {name: variant["drafter"] for name, variant in defined.items()}
+    used = {DrafterSpec.parse(entry, runs).variant for entry in settings.get("drafters", [])}
+    return settings | {"variants": {name: defined[name] for name in defined if name in used}}
 
 
 def check_compatible(previous: BenchResults, current: BenchResults, *, across_datasets: bool = False) -> None:
