@@ -190,20 +190,20 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The tree-attention kernel against SDPA with the dense mask on a GPU (kernels/bench.py): prefixes
+# The tree-attention kernel against SDPA with the dense mask on a GPU (attention/bench.py): prefixes
 # 512-8192, trees of 16-256 nodes, two head layouts, bf16; with a sweep of the kernel's tilings
 # (about 5 minutes), which `make gpu-check` skips. Writes results.json and report.md.
 GPU_BENCH_ATTENTION_OUT ?= bench/results/tree-attention
 .PHONY: gpu-bench-attention
 gpu-bench-attention: setup
-	$(VENV)/bin/python -m jetflow.kernels.bench --out $(GPU_BENCH_ATTENTION_OUT) $(GPU_BENCH_ATTENTION_FLAGS)
+	$(VENV)/bin/python -m jetflow.attention.bench --out $(GPU_BENCH_ATTENTION_OUT) $(GPU_BENCH_ATTENTION_FLAGS)
 
 # The kernel's tests compiled on the GPU (elsewhere they run in Triton's interpreter).
 .PHONY: gpu-test-kernels
 gpu-test-kernels: setup
 	@$(VENV)/bin/python -c "import sys, torch; torch.cuda.is_available() or sys.exit( \
 		'make gpu-test-kernels needs a CUDA device; torch sees none')"
-	$(VENV)/bin/python -m pytest -q tests/kernels
+	$(VENV)/bin/python -m pytest -q tests/attention
 
 gpu-check: gpu-test-kernels gpu-bench-attention
 gpu-check: GPU_BENCH_ATTENTION_FLAGS = --no-sweep

@@ -19,13 +19,13 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from jetflow.attention.verify_attention import select_verify_attention, verify_mask
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.errors import TargetError
 from jetflow.core.kv_cache import is_slab, slab_cache, supports_slab
 from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.core.precision import default_device, dtype_name
 from jetflow.core.tree import DraftTree
-from jetflow.kernels.verify_attention import select_verify_attention, verify_mask
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 

@@ -27,7 +27,7 @@ def test_kernel_compiles_for_sm90(dtype, head_dim, nodes, tmp_path, monkeypatch)
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("this triton build has no NVIDIA backend")
     import triton
-    from jetflow.kernels import tree_attention as kernels
+    from jetflow.attention import tree_attention as kernels
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

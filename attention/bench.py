@@ -3,12 +3,12 @@
 For each head layout, prefix length and tree size it times one layer's attention both ways
 through transformers' attention-function contract (``sdpa_attention_forward`` with the dense
 additive mask, exactly what the SDPA path hands every layer, against
-:func:`~jetflow.kernels.verify_attention.tree_attention_forward` with the compact tree mask),
+:func:`~jetflow.attention.verify_attention.tree_attention_forward` with the compact tree mask),
 checks that the two agree, optionally sweeps the kernel's tiling, and times building each
 mask once per verify (the old host-built dense mask plus its copy, the device-built dense mask,
 the device-built tree mask). Writes ``results.json`` and ``report.md`` into ``--out``::
 
-    python -m jetflow.kernels.bench --out bench/results/tree-attention
+    python -m jetflow.attention.bench --out bench/results/tree-attention
 
 Needs a CUDA device; it refuses to run without one (the CPU has no compiled Triton).
 """
@@ -26,9 +26,9 @@ from itertools import product
 from pathlib import Path
 
 import torch
+from jetflow.attention.tree_mask import dense_visibility, tree_mask
+from jetflow.attention.verify_attention import tree_attention_forward, verify_mask
 from jetflow.core.tree import DraftTree
-from jetflow.kernels.tree_mask import dense_visibility, tree_mask
-from jetflow.kernels.verify_attention import tree_attention_forward, verify_mask
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -116,7 +116,7 @@ def measure(
 ) -> Row:
     """Time and check one cell (``device`` and the timers are for the tests, which run one
     cell in Triton's interpreter on the CPU)."""
-    from jetflow.kernels import tree_attention as kernel  # imports triton
+    from jetflow.attention import tree_attention as kernel  # imports triton
 
     heads, kv_heads, head_dim = map(int, shape.split("x"))
     device = device or torch.device("cuda")
@@ -217,7 +217,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jetflow.kernels.bench",
+        prog="python -m jetflow.attention.bench",
         description="Time the Triton tree attention against SDPA with the dense mask on a CUDA GPU; "
         "write results.json and report.md.",
     )

@@ -11,15 +11,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jetflow.core.config import GenerateConfig, build_config
-from jetflow.core.engine import Engine
-from jetflow.core.target import Target
-from jetflow.kernels import verify_attention
-from jetflow.kernels.verify_attention import (
+from jetflow.attention import verify_attention
+from jetflow.attention.verify_attention import (
     enable_tree_attention,
     select_verify_attention,
     unsupported_reason,
 )
+from jetflow.core.config import GenerateConfig, build_config
+from jetflow.core.engine import Engine
+from jetflow.core.target import Target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tests.conftest import make_tiny_target

@@ -46,7 +46,7 @@ def kernels():
     which only relays the child's outcomes."""
     if not IN_PLACE:
         return None
-    from jetflow.kernels import tree_attention
+    from jetflow.attention import tree_attention
 
     assert tree_attention.INTERPRETED != ON_GPU
     return tree_attention

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
-from jetflow.kernels.tree_mask import ancestor_bitmask, dense_visibility, tree_mask, words_for
+from jetflow.attention.tree_mask import ancestor_bitmask, dense_visibility, tree_mask, words_for
 
 from .trees import chain, parent_lists, tree_of
 

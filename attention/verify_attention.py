@@ -4,7 +4,7 @@ On CUDA, with Triton installed and a model of plain full attention (no sliding w
 softcapping), the target's model is switched once, at load time, to the attention function
 registered here under :data:`IMPLEMENTATION` through transformers' ``AttentionInterface``. That
 function runs the Triton tree kernel when it is handed the compact int32 tree mask
-(:mod:`jetflow.kernels.tree_mask`) and transformers' own SDPA function for anything else, so
+(:mod:`jetflow.attention.tree_mask`) and transformers' own SDPA function for anything else, so
 prefill and one-node (plain) steps keep SDPA exactly as before. Everywhere else (CPU, no
 Triton, another attention implementation chosen by the user) nothing changes and verify passes
 the dense additive mask to SDPA. ``JETFLOW_TREE_ATTENTION=0`` keeps SDPA on CUDA too.
@@ -19,7 +19,7 @@ import logging
 import os
 
 import torch
-from jetflow.kernels.tree_mask import dense_visibility, tree_mask
+from jetflow.attention.tree_mask import dense_visibility, tree_mask
 from torch import Tensor
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -106,7 +106,7 @@ def tree_attention_forward(
     ]
     if extras or dropout:
         raise ValueError(f"the tree attention kernel supports no {', '.join(extras) or 'dropout'}")
-    from jetflow.kernels.tree_attention import tree_attention
+    from jetflow.attention.tree_attention import tree_attention
 
     return tree_attention(query, key, value, attention_mask, scale=scaling), None
 

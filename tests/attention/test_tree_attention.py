@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jetflow.kernels.tree_mask import dense_visibility, tree_mask
+from jetflow.attention.tree_mask import dense_visibility, tree_mask
 
 from .trees import NO_SHRINK, chain, parent_lists, tree_of
 

@@ -2,7 +2,7 @@
 
 Queries are the tree's ``n`` nodes; keys and values are the cached prefix, which every node
 sees, followed by the tree's own ``n`` entries, which node ``i`` sees through row ``i`` of an
-ancestor bitmask (see :mod:`jetflow.kernels.tree_mask`). No dense ``n x (cached + n)`` mask
+ancestor bitmask (see :mod:`jetflow.attention.tree_mask`). No dense ``n x (cached + n)`` mask
 exists anywhere. Each program owns one tile of query rows of one query head; it streams the
 prefix in key blocks with an online softmax (no mask needed there), then the tree's keys up to
 its own last row (a node's ancestors come before it in topological order), testing one bit per
@@ -205,7 +205,7 @@ def tree_attention(
         key, value: ``[batch, kv_heads, length, head_dim]`` with ``length >= prefix + n``: the
             cached prefix, then the tree's entries (entries past them are never read).
         mask: ``[1 or batch, 1, n, 1 + ceil(n / 32)]`` int32 from
-            :func:`jetflow.kernels.tree_mask.tree_mask` (prefix length, then ancestor bits).
+            :func:`jetflow.attention.tree_mask.tree_mask` (prefix length, then ancestor bits).
         scale: softmax scale, ``head_dim ** -0.5`` by default.
         block_m, block_n, num_warps, num_stages: tiling, by default :func:`_block_m` and
             :func:`default_tiling` (the tests use small blocks to cross block edges on tiny
@@ -288,5 +288,5 @@ def _check(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> None:
     if (query.device.type == "cpu") != INTERPRETED:
         raise ValueError(
             f"tensors on {query.device} but the kernel is {'interpreted' if INTERPRETED else 'compiled'}: "
-            "CPU tensors need TRITON_INTERPRET=1 before jetflow.kernels.tree_attention is imported"
+            "CPU tensors need TRITON_INTERPRET=1 before jetflow.attention.tree_attention is imported"
         )

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from jetflow.kernels import bench
+from jetflow.attention import bench
 
 
 def _timer(times):
