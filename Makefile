@@ -152,15 +152,20 @@ scaling: $(addprefix scaling-,$(SCALING_ARMS)) $(addprefix scaling-bench-,$(SCAL
 # corpus, 11,500 steps of 4 sequences, warm-up-stable-decay), equal training for every shipped head.
 # `make converged-eagle` trains or resumes runs/converged/eagle; where its checkpoints are gone it goes
 # on from the head committed in bench/results/converged/eagle/head (same weights and step, fresh
-# optimiser moments). CONVERGED_STEPS=N stops at step N (a checkpoint) and writes its head.
+# optimiser moments). CONVERGED_STEPS=N stops at step N (a checkpoint) and writes its head;
+# CONVERGED_PROCS=N trains data-parallel in N processes of one thread (torchrun, gloo on a CPU), the
+# same updates as one process, so a run may change its process count at any resume.
 # `make converged-bench-eagle` measures the committed head on the scaling table's yardstick.
 CONVERGED_HEAD = bench/results/converged/$(1)/head
+CONVERGED_PROCS ?= 1
+CONVERGED_TRAIN = $(if $(filter 1,$(CONVERGED_PROCS)),$(VENV)/bin/jetflow, \
+	$(VENV)/bin/torchrun --nproc-per-node $(CONVERGED_PROCS) $(VENV)/bin/jetflow)
 .PHONY: converged-jetflow converged-eagle converged-dflash
 converged-jetflow converged-eagle converged-dflash: converged-%: setup
 	mkdir -p runs/converged/$*
 	test ! -f bench/results/converged/$*/train_log.jsonl || \
 		cp -n bench/results/converged/$*/train_log.jsonl runs/converged/$*/
-	$(VENV)/bin/jetflow train --drafter $* --out runs/converged/$* --threads 1 --resume \
+	$(CONVERGED_TRAIN) train --drafter $* --out runs/converged/$* --threads 1 --resume \
 		$(if $(CONVERGED_STEPS),--steps $(CONVERGED_STEPS)) \
 		$(if $(wildcard $(call CONVERGED_HEAD,$*)/config.json),--warm-start $(call CONVERGED_HEAD,$*))
 converged-bench-%: setup
