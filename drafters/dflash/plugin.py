@@ -5,8 +5,8 @@ is the in-block attention mask (every slot sees every other slot of its block), 
 forward still yields one distribution per depth, but no depth is conditioned on the
 drafts before it. DFlash as published verifies a chain (``--tree-policy chain``, the
 default); with ``best-first`` it is the paper's "DDTree" baseline. Its recipe
-(``train.toml`` beside this module) is DFlash's: cross-entropy on the target's tokens with
-per-depth decay weights.
+(``train.toml`` beside this module) extends jetflow's, whose loss is DFlash's: cross-entropy on
+the target's tokens with per-depth decay weights.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def test_dflash_is_registered_with_chain_as_its_policy() -> None:
 
 
 def test_the_recipes_differ_only_in_the_in_block_mask() -> None:
-    """The shipped jetflow recipe is DFlash's on the causal block: the ablation's winning arm."""
+    """The shipped jetflow recipe is DFlash's on the causal block (the ablation's winning arm);
+    the dflash recipe extends it, so the two heads train on the same terms."""
     dflash = TrainConfig.from_toml(DFlashDrafter.default_train_config())
     jetflow = TrainConfig.from_toml(JetFlowDrafter.default_train_config())
     assert (dflash.loss.kind, dflash.loss.depth_decay) == ("sft", 4.0)

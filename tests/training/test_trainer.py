@@ -235,6 +235,38 @@ def test_the_wsd_schedule_holds_the_peak_rate_then_decays_linearly() -> None:
         OptimConfig(schedule="wsd")
 
 
+def test_a_recipe_extends_its_base_key_by_key(tmp_path) -> None:
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "base.toml").write_text(
+        'steps = 7\nout = "runs/base"\n[loss]\nkind = "sft"\ndepth_decay = 4.0\n[head]\nnum_layers = 2\n'
+    )
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('base = "shared/base.toml"\nout = "runs/recipe"\n[loss]\ndepth_decay = 2.0\n')
+    config = TrainConfig.from_toml(recipe, settings={"head": {"block_size": 4}})
+    assert (config.steps, config.out, config.loss.kind, config.loss.depth_decay) == (
+        7,
+        "runs/recipe",
+        "sft",
+        2.0,
+    )
+    assert config.head == {"num_layers": 2, "block_size": 4}
+
+
+def test_a_recipe_with_a_missing_or_circular_base_is_refused(tmp_path) -> None:
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('base = "gone.toml"\n')
+    with pytest.raises(ConfigError, match=r"gone\.toml"):
+        TrainConfig.from_toml(recipe)
+    other = tmp_path / "other.toml"
+    other.write_text('base = "recipe.toml"\n')
+    recipe.write_text('base = "other.toml"\n')
+    with pytest.raises(ConfigError, match="in a circle"):
+        TrainConfig.from_toml(recipe)
+    recipe.write_text("base = 3\n")
+    with pytest.raises(ConfigError, match="base must be the path"):
+        TrainConfig.from_toml(recipe)
+
+
 def test_a_store_of_other_layers_is_refused(tiny_llama, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"holds layers \[1, 2, 3\], but the head reads \[1, 2\]"):
         quick_trainer(tiny_llama, tmp_path, head=tiny_head(tiny_llama, feature_layers=(1, 2)))
