@@ -14,9 +14,18 @@ costs stay calibrated and tau is re-estimated online:
   policies are observed at the budget they ran.
 * **Estimates** are discounted means (old steps fade, so a new workload takes over) shrunk
   toward the calibrated tau, which counts as ``prior_weight`` steps.
+* **Monotone in the budget.** A nested tree of budget ``b`` is part of every larger one, so a
+  step accepts at least as much at any larger budget: what a step at ``B`` saw is a lower bound
+  for every budget above ``B``. While every step observed was nested, the estimates are the
+  weighted non-decreasing fit of the means (weights: their observation counts). Without it a
+  text that accepts far more than the calibration's prompts leaves the budgets above the choice
+  at their calibrated tau, lower than the choice's own, and no probe ever finds them.
 * **Exploration.** Every ``probe_every``-th step may run a larger budget than the choice:
-  the one with the best optimistic speed (tau plus ``optimism`` tokens over the square root
-  of its observation count), if that beats the choice's estimate. So a budget the calibration
+  the one with the best optimistic speed (tau plus one standard deviation of a step's emitted
+  tokens over the square root of its observation count), if that beats the choice's estimate.
+  The spread is measured online (a budget seen too little borrows the widest spread of the
+  smaller ones, never less than ``optimism``): accepted lengths spread with tau, so a fixed
+  bonus that suits tau 1.5 is too timid to ever try a larger budget at tau 3.5. So a budget the calibration
   under-rated is found, even past a neighbour that is no better; once a budget has been seen
   often enough to be ruled out it is no longer probed. With a nested policy a probe also
   refreshes every smaller budget.
@@ -36,6 +45,7 @@ import torch
 from jetflow.core.calibration_record import Calibration
 from jetflow.core.cost_model import CHOICE_TOLERANCE, choose_budget
 from jetflow.core.tree import DraftTree
+from scipy.optimize import isotonic_regression
 
 #: the calibrated tau counts as this many observed steps
 PRIOR_WEIGHT = 2.0
@@ -43,9 +53,9 @@ PRIOR_WEIGHT = 2.0
 FORGETTING = 0.99
 #: every this many steps, a larger budget may be probed
 PROBE_EVERY = 4
-#: a probe's optimism in tokens per step, divided by sqrt(observations): about one standard
-#: deviation of a step's emitted tokens (0.5-0.9 at tau 1.3-1.8), so a budget is no longer
-#: probed once a dozen observations place it clearly below the choice
+#: the least optimism of a probe in tokens per step (divided by sqrt(observations)): the spread of
+#: a step's emitted tokens where it is measured wider (0.5-0.9 at tau 1.3-1.8, ~1.5 at tau 3.5),
+#: so a budget is no longer probed once a dozen observations place it clearly below the choice
 OPTIMISM = 0.5
 
 
@@ -76,8 +86,10 @@ class AdaptiveBudget:
         self.optimism = optimism
         self.tolerance = tolerance
         self._emitted = np.zeros(len(self.budgets))  # discounted sums of tokens per step
+        self._emitted_sq = np.zeros(len(self.budgets))  # ... and of their squares
         self._steps = np.zeros(len(self.budgets))  # discounted step counts
         self._asked = 0
+        self._nested_so_far = True  # every observed step's tree was nested (none observed yet)
         self.choice = self._choose()
 
     @classmethod
@@ -96,9 +108,24 @@ class AdaptiveBudget:
         return int(self.budgets[-1])
 
     def tau(self) -> np.ndarray:
-        """Estimated tokens per step at each candidate budget."""
-        w = self.prior_weight
-        return (w * self.prior_tau + self._emitted) / (w + self._steps)
+        """Estimated tokens per step at each candidate budget (non-decreasing while nested)."""
+        weights = self.prior_weight + self._steps
+        means = (self.prior_weight * self.prior_tau + self._emitted) / weights
+        if not self._nested_so_far:
+            return means
+        return isotonic_regression(means, weights=weights, increasing=True).x
+
+    def spread(self) -> np.ndarray:
+        """Standard deviation of a step's emitted tokens per budget, for the probes' optimism.
+
+        Measured where a budget has two or more (discounted) observations; a budget seen less
+        takes the widest spread measured at a smaller one; never below ``optimism``.
+        """
+        seen = self._steps >= 2.0
+        steps = np.where(seen, self._steps, 1.0)
+        variance = self._emitted_sq / steps - (self._emitted / steps) ** 2
+        measured = np.where(seen, np.sqrt(np.clip(variance, 0.0, None)), 0.0)
+        return np.maximum(np.maximum.accumulate(measured), self.optimism)
 
     def speeds(self) -> np.ndarray:
         """Expected tokens per second at each candidate budget."""
@@ -112,7 +139,8 @@ class AdaptiveBudget:
         self._asked += 1
         if self._asked % self.probe_every:
             return self.choice
-        optimistic = (self.tau() + self.optimism / np.sqrt(self.prior_weight + self._steps)) / self.cost_s
+        bonus = self.spread() / np.sqrt(self.prior_weight + self._steps)
+        optimistic = (self.tau() + bonus) / self.cost_s
         optimistic[self.budgets <= self.choice] = -np.inf
         probe = int(np.argmax(optimistic))
         current = self.speeds()[int(np.searchsorted(self.budgets, self.choice))]
@@ -121,7 +149,9 @@ class AdaptiveBudget:
     def observe(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
         """Learn from one verified step that ran at ``budget`` and accepted ``path`` (root first)."""
         self._emitted *= self.forgetting
+        self._emitted_sq *= self.forgetting
         self._steps *= self.forgetting
+        self._nested_so_far &= nested
         if nested:
             seen = self.budgets <= budget
             emitted = 1 + accepted_within(tree, path, self.budgets[seen])
@@ -129,6 +159,7 @@ class AdaptiveBudget:
             seen = self.budgets == budget
             emitted = float(len(path))  # the root plus the accepted drafted tokens
         self._emitted[seen] += emitted
+        self._emitted_sq[seen] += emitted**2
         self._steps[seen] += 1.0
         self.choice = self._choose()
 

@@ -104,18 +104,25 @@ def test_it_starts_at_the_calibrated_choice_and_probes_larger_budgets_while_they
     assert [controller.next_budget() for _ in range(8)] == [0] * 8
 
 
+def _run_chains(controller: AdaptiveBudget, steps: int, acceptance: float) -> list[int]:
+    """Drive ``controller`` over chain trees whose every drafted depth is accepted with
+    probability ``acceptance`` (seeded); the budgets it ran, step by step."""
+    rng = np.random.default_rng(0)
+    used = []
+    for _ in range(steps):
+        budget = controller.next_budget()
+        used.append(budget)
+        accepted = min(budget, int(rng.geometric(1 - acceptance)) - 1)
+        tree = _chain([-0.1 * (i + 1) for i in range(budget)])
+        controller.observe(tree, torch.arange(accepted + 1), budget, nested=True)
+    return used
+
+
 def test_acceptance_above_the_calibration_moves_the_choice_up_past_a_no_better_neighbour() -> None:
     """Each drafted depth accepted with probability 1/2: tau 1.5, 1.75, 1.94 at budgets 1, 2, 4
     against the calibration's 1.20, 1.28, 1.36, so budget 2 (17.2 tokens/s) beats 0 (12.8)."""
     controller = _controller()
-    rng = np.random.default_rng(0)
-    used = []
-    for _ in range(200):
-        budget = controller.next_budget()
-        used.append(budget)
-        accepted = min(budget, int(rng.geometric(0.5)) - 1)
-        tree = _chain([-0.1 * (i + 1) for i in range(budget)])
-        controller.observe(tree, torch.arange(accepted + 1), budget, nested=True)
+    used = _run_chains(controller, steps=200, acceptance=0.5)
     assert used[0] == 0 and controller.choice == 2
     assert used[-100:].count(2) > 80
     assert controller.tau()[1:3] == pytest.approx([1.5, 1.75], abs=0.2)
@@ -128,6 +135,31 @@ def test_acceptance_below_the_calibration_moves_the_choice_down() -> None:
         budget = controller.next_budget()
         controller.observe(_chain([-0.1] * budget), torch.tensor([0]), budget, nested=True)  # none kept
     assert controller.choice == 0
+
+
+def test_text_that_saturates_the_chosen_budget_raises_the_larger_ones_until_a_probe_finds_them() -> None:
+    """The calibration's prompts made budget 8 no better than 4; this text accepts each drafted
+    depth with probability 0.8 (tau 3.36 at 4, 4.33 at 8), so budget 8 is the faster one. Steps
+    at budget 4 never observe budget 8, yet they bound it from below: the estimate rises with
+    budget 4's until probing it pays, and the probes move the choice."""
+    controller = AdaptiveBudget(budgets=[0, 4, 8], cost_s=[0.08, 0.10, 0.11], prior_tau=[1.0, 1.6, 1.6])
+    assert controller.choice == 4
+    used = _run_chains(controller, steps=300, acceptance=0.8)
+    assert controller.choice == 8 and used[-100:].count(8) > 80
+    assert controller.tau()[2] > controller.tau()[1] + 0.5  # measured, no longer pooled with 4's
+
+
+def test_estimates_of_a_nested_policy_never_fall_as_the_budget_grows() -> None:
+    controller = AdaptiveBudget(
+        budgets=[0, 2, 4, 8], cost_s=[0.08, 0.09, 0.1, 0.12], prior_tau=[1.0, 1.9, 1.5, 1.7]
+    )
+    assert np.all(np.diff(controller.tau()) >= 0)
+    for _ in range(20):  # budget 2 accepts both drafted tokens every time
+        controller.observe(_chain([-0.1, -0.2]), torch.arange(3), 2, nested=True)
+    tau = controller.tau()
+    assert np.all(np.diff(tau) >= 0) and tau[1] > 2.5 and tau[2] == tau[3] == tau[1]
+    controller.observe(_chain([-0.1, -0.2]), torch.arange(3), 2, nested=False)  # a refined tree
+    assert controller.tau()[3] < controller.tau()[1]  # its bound no longer holds: plain means
 
 
 def test_a_policy_that_is_not_nested_teaches_only_the_budget_it_ran() -> None:
