@@ -91,16 +91,23 @@ ablation-curves: setup
 ablation: $(addprefix ablation-,$(ABLATION_ARMS))
 	$(MAKE) ablation-bench ablation-curves
 
-# The feature cache the scaling and ablation arms train on (the held-out yardstick and the snapshot's
-# corpora; the ablation reads only the first turns), one process per core (FEATURE_PARTS), in bf16
-# where the machine has it natively; shards already cached are skipped, so it resumes.
+# The feature caches the runs train on, one process per core (FEATURE_PARTS): the scaling arms' (the
+# held-out yardstick and the snapshot's corpora), the ablation's (its first turns only) and the
+# converged runs' (the whole committed corpus). FEATURE_DTYPE=auto computes in bf16 where the machine
+# has it natively, else fp32. Shards already cached in that precision are skipped, so it resumes; a
+# shard cached in another precision is computed again, so to finish a cache begun on another kind of
+# machine pass the precision its manifest records (`computed_in`).
 FEATURE_PARTS ?= 2
-FEATURE_CORPORA_scaling  = $(SCALING_EVAL) $(SCALING_CORPUS) $(SCALING_CORPUS)-turn2
-FEATURE_CORPORA_ablation = $(SCALING_EVAL) $(SCALING_CORPUS)
-.PHONY: ablation-features scaling-features
-ablation-features scaling-features: %-features: setup scaling-data
+FEATURE_DTYPE ?= auto
+CORPUS        = drafters/training/corpora/SmolLM2-135M-Instruct
+FEATURE_CORPORA_scaling   = $(SCALING_EVAL) $(SCALING_CORPUS) $(SCALING_CORPUS)-turn2
+FEATURE_CORPORA_ablation  = $(SCALING_EVAL) $(SCALING_CORPUS)
+FEATURE_CORPORA_converged = $(CORPUS)-heldout $(CORPUS) $(CORPUS)-turn2
+.PHONY: ablation-features scaling-features converged-features
+ablation-features scaling-features: scaling-data
+ablation-features scaling-features converged-features: %-features: setup
 	pids=""; for k in $$(seq $(FEATURE_PARTS)); do \
-		$(VENV)/bin/jetflow data features --threads 1 --part $$k/$(FEATURE_PARTS) \
+		$(VENV)/bin/jetflow data features --threads 1 --dtype $(FEATURE_DTYPE) --part $$k/$(FEATURE_PARTS) \
 			$(addprefix --corpus ,$(FEATURE_CORPORA_$*)) & \
 		pids="$$pids $$!"; \
 	done; for pid in $$pids; do wait $$pid || exit 1; done
@@ -114,7 +121,7 @@ ablation-features scaling-features: %-features: setup scaling-data
 SCALING_CORPUS_AT ?= 3e2d73d
 SCALING_SNAPSHOT  = runs/scaling/snapshot
 SCALING_CORPUS    = $(SCALING_SNAPSHOT)/drafters/training/corpora/SmolLM2-135M-Instruct
-SCALING_EVAL      = drafters/training/corpora/SmolLM2-135M-Instruct-heldout
+SCALING_EVAL      = $(CORPUS)-heldout
 SCALING_ARMS      = layers-1 data-3k layers-2 layers-2-init layers-3 tokens plain-slots layers-1-init \
 	depth-decay eagle eagle-eagle3
 SCALING_TRAIN     = --threads 1 --resume --steps 2000 --corpus $(SCALING_CORPUS) \
