@@ -1,8 +1,9 @@
 """What a comparison run measures: a frozen pydantic model, loadable from TOML.
 
-It goes through the same machinery as generation configs (``build_config``, ``load_toml``,
-``merge``), and every name in it (drafters, tree policies, data sets) is checked when the
-config is validated, so a typo fails in milliseconds instead of after the model has loaded.
+It goes through the same machinery as generation configs (``build_config``,
+``load_layered_toml``, ``merge``): a config may extend another through its ``base`` key, and
+every name in it (drafters, tree policies, data sets) is checked when the config is
+validated, so a typo fails in milliseconds instead of after the model has loaded.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from jetflow.bench.datasets import DATASET_NAMES, FILE_PREFIX
 from jetflow.bench.lossless import DEFAULT_TIE_TOLERANCE
-from jetflow.core.config import AUTO_BUDGET, Budget, TreeConfig, build_config, load_toml, merge
+from jetflow.core.config import AUTO_BUDGET, Budget, TreeConfig, build_config, load_layered_toml, merge
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import DtypeName
 from jetflow.core.registry import Registry, default_registry
@@ -194,6 +195,7 @@ class BenchConfig(_Frozen):
 
 
 def load_bench_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> BenchConfig:
-    """A validated :class:`BenchConfig` from an optional TOML file plus overrides (CLI flags)."""
-    base = load_toml(path) if path else {}
+    """A validated :class:`BenchConfig` from an optional TOML file (on top of its ``base``) plus
+    overrides (CLI flags)."""
+    base = load_layered_toml(path) if path else {}
     return build_config(BenchConfig, merge(base, overrides or {}))

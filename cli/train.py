@@ -11,10 +11,13 @@ import argparse
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from jetflow.core.config import merge
 from jetflow.core.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from jetflow.drafters.training.trainer import TrainConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
     target = Target.load(config.target, dtype=resolve_dtype("float32"))
     head = drafter_cls.new_head(target, config.head)
     layers = tuple(head.config.feature_layers)
+    config = _with_resolved_corpora(config)  # the head's recipe records the data it saw
     store = _open_store(config.corpus, config.features, layers, target, limit=config.max_sequences)
-    eval_folder = config.eval_corpus or _default_eval_corpus(config.corpus)
-    eval_store = _open_store(str(eval_folder), None, layers, target, purpose="eval") if eval_folder else None
+    eval_folder = config.eval_corpus
+    eval_store = _open_store(eval_folder, None, layers, target, purpose="eval") if eval_folder else None
     info = CheckpointInfo(
         drafter=args.drafter,
         architecture=head.config.model_dump(mode="json"),
@@ -140,16 +144,32 @@ def _shipped_config(drafter_cls) -> Path:
     return Path(path)
 
 
-def _default_eval_corpus(corpus_dirs: str | list[str] | None) -> Path | None:
-    """The held-out sibling of the first training corpus, where it has been regenerated."""
-    from jetflow.drafters.training.corpus import default_eval_corpus_dir
+def _with_resolved_corpora(config: TrainConfig) -> TrainConfig:
+    """``config`` with its default corpora spelled out: the training corpora (the default
+    target's first and second turns) and the held-out sibling of the first, where it exists."""
+    from jetflow.drafters.training.corpus import default_eval_corpus_dir, training_corpus_dirs
 
-    first = corpus_dirs if isinstance(corpus_dirs, str) else (corpus_dirs or [None])[0]
-    return default_eval_corpus_dir(Path(first) if first else None)
+    given = [config.corpus] if isinstance(config.corpus, str) else config.corpus
+    corpora = [Path(c) for c in given] if given else training_corpus_dirs()
+    eval_corpus = Path(config.eval_corpus) if config.eval_corpus else default_eval_corpus_dir(corpora[0])
+    return config.model_copy(
+        update={
+            "corpus": [_as_recorded(c) for c in corpora],
+            "eval_corpus": _as_recorded(eval_corpus) if eval_corpus else None,
+        }
+    )
+
+
+def _as_recorded(folder: Path) -> str:
+    """``folder`` relative to the working directory where it lies below it (a checkout's
+    corpora then read the same on every machine), else as it is."""
+    folder = Path(folder)
+    here = Path.cwd()
+    return str(folder.resolve().relative_to(here)) if folder.resolve().is_relative_to(here) else str(folder)
 
 
 def _open_store(
-    corpus_dirs: str | list[str] | None,
+    corpus_dirs: str | list[str],
     features_dir: str | None,
     layers: tuple[int, ...],
     target,
@@ -163,13 +183,13 @@ def _open_store(
     opened), so only their features need to exist.
     """
     from jetflow.bench.datasets import BENCHMARK_NAMES
-    from jetflow.drafters.training.corpus import Corpus, training_corpus_dirs
+    from jetflow.drafters.training.corpus import Corpus
     from jetflow.drafters.training.examples import ConcatStore
     from jetflow.drafters.training.features import FeatureStore
 
     if isinstance(corpus_dirs, str):
         corpus_dirs = [corpus_dirs]
-    folders = [Path(c) for c in corpus_dirs] if corpus_dirs else training_corpus_dirs()
+    folders = [Path(c) for c in corpus_dirs]
     if features_dir and len(folders) > 1:
         raise ConfigError("features names the cache of one corpus; with several corpora leave it unset")
     corpora = [Corpus(f) for f in folders]

@@ -172,6 +172,26 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
 
 
+def load_layered_toml(path: str | Path, extending: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A TOML file merged key by key over the file its ``base`` key names (relative to it).
+
+    Configs that must hold on equal terms (the shipped block heads' recipes, a bench line-up and
+    its subset) state only how they differ from the one they extend, so that the equality holds
+    by construction, not by copying.
+    """
+    path = Path(path).resolve()
+    if path in extending:
+        chain = " -> ".join(str(p) for p in (*extending, path))
+        raise ConfigError(f"config files extend each other in a circle: {chain}")
+    data = load_toml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
+    return merge(load_layered_toml(path.parent / base, (*extending, path)), data)
+
+
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Deep-merge ``overrides`` (CLI flags that were given) into ``base`` (the TOML file)."""
     merged = dict(base)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal, Protocol, Self
 
 import torch
 import torch.nn.functional as F
-from jetflow.core.config import build_config, load_toml, merge
+from jetflow.core.config import build_config, load_layered_toml, merge
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
 from jetflow.core.precision import resolve_dtype
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
@@ -147,28 +147,9 @@ class TrainConfig(_Frozen):
         cls, path: str | Path, settings: dict[str, Any] | None = None, **overrides: Any
     ) -> TrainConfig:
         """Read a recipe file (on top of its ``base``); ``settings`` (``--set``) and overrides win."""
-        data = merge(load_recipe(path), settings or {})
+        data = merge(load_layered_toml(path), settings or {})
         data |= {key: value for key, value in overrides.items() if value is not None}
         return build_config(cls, data)
-
-
-def load_recipe(path: str | Path, extending: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe file merged key by key over the recipe its ``base`` key names (relative to it).
-
-    Recipes that must train on equal terms (the shipped block heads) state only how they differ
-    from the one they extend, so that the equality holds by construction, not by copying.
-    """
-    path = Path(path).resolve()
-    if path in extending:
-        chain = " -> ".join(str(p) for p in (*extending, path))
-        raise ConfigError(f"train recipes extend each other in a circle: {chain}")
-    data = load_toml(path)
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base must be the path of another recipe file, got {base!r}")
-    return merge(load_recipe(path.parent / base, (*extending, path)), data)
 
 
 class TrainableHead(Protocol):

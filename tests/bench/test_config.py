@@ -28,6 +28,20 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert config.datasets == ("champ", "humaneval", "mtbench")
 
 
+def test_a_config_extends_its_base_and_replaces_lists_whole(tmp_path: Path) -> None:
+    (tmp_path / "full.toml").write_text(
+        'drafters = ["ngram", "ngram:chain"]\nbudgets = [4, 8, 16]\nlimit = 20\n[tree]\nwidth = 2\n'
+    )
+    subset = tmp_path / "subset.toml"
+    subset.write_text('base = "full.toml"\ndrafters = ["ngram"]\n[tree]\nmax_depth = 6\n')
+    config = load_bench_config(subset, {"limit": 3})
+    assert (config.drafters, config.budgets, config.limit) == (("ngram",), (4, 8, 16), 3)
+    assert (config.tree.width, config.tree.max_depth) == (2, 6)
+    subset.write_text('base = "subset.toml"\n')
+    with pytest.raises(ConfigError, match="in a circle"):
+        load_bench_config(subset)
+
+
 @pytest.mark.parametrize(
     ("text", "drafter", "policy", "method"),
     [("ngram", "ngram", None, "ngram"), ("ngram:chain", "ngram", "chain", "ngram:chain")],

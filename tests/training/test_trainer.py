@@ -263,7 +263,7 @@ def test_a_recipe_with_a_missing_or_circular_base_is_refused(tmp_path) -> None:
     with pytest.raises(ConfigError, match="in a circle"):
         TrainConfig.from_toml(recipe)
     recipe.write_text("base = 3\n")
-    with pytest.raises(ConfigError, match="base must be the path"):
+    with pytest.raises(ConfigError, match="base must be the path of another config file"):
         TrainConfig.from_toml(recipe)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from jetflow.cli import main as cli
@@ -40,6 +41,10 @@ def test_train_command_trains_and_ships_a_head(tiny_world, tiny_llama, tmp_path,
     assert (tmp_path / "run" / "learning_curve.png").is_file()
     info, _ = load_checkpoint(summary["checkpoint"], tiny_llama, drafter="jetflow")
     assert info.architecture["causal"] is True and info.architecture["block_size"] == 4
+    # the recipe names the data the head saw, not the defaults that chose it
+    corpus, eval_corpus = info.recipe["corpus"], info.recipe["eval_corpus"]
+    assert [Path(c).name for c in corpus] == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-turn2"]
+    assert Path(eval_corpus).name == "SmolLM2-135M-Instruct-heldout"
 
     warm = ["--warm-start", summary["checkpoint"], "--steps", "9", "--out", str(tmp_path / "warm")]
     assert cli.main(["train", "--drafter", "jetflow", "--config", str(config), *warm, "--json"]) == 0
