@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     layers = tuple(head.config.feature_layers)
     config = _with_resolved_corpora(config)  # the head's recipe records the data it saw
     store = _open_store(config.corpus, config.features, layers, target, limit=config.max_sequences)
-    eval_folder = config.eval_corpus
-    eval_store = _open_store(eval_folder, None, layers, target, purpose="eval") if eval_folder else None
+    eval_corpus = config.eval_corpus
+    eval_store = _open_store(eval_corpus, None, layers, target, purpose="eval") if eval_corpus else None
     info = CheckpointInfo(
         drafter=args.drafter,
         architecture=head.config.model_dump(mode="json"),
@@ -163,9 +163,8 @@ def _with_resolved_corpora(config: TrainConfig) -> TrainConfig:
 def _as_recorded(folder: Path) -> str:
     """``folder`` relative to the working directory where it lies below it (a checkout's
     corpora then read the same on every machine), else as it is."""
-    folder = Path(folder)
-    here = Path.cwd()
-    return str(folder.resolve().relative_to(here)) if folder.resolve().is_relative_to(here) else str(folder)
+    absolute, here = Path(folder).resolve(), Path.cwd()
+    return str(absolute.relative_to(here)) if absolute.is_relative_to(here) else str(folder)
 
 
 def _open_store(
