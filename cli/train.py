@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     config = _with_resolved_corpora(config)  # the head's recipe records the data it saw
     store = _open_store(config.corpus, config.features, layers, target, limit=config.max_sequences)
     eval_corpus = config.eval_corpus
-    eval_store = _open_store(eval_corpus, None, layers, target, purpose="eval") if eval_corpus else None
+    eval_store = _open_store([eval_corpus], None, layers, target, purpose="eval") if eval_corpus else None
     info = CheckpointInfo(
         drafter=args.drafter,
         architecture=head.config.model_dump(mode="json"),
@@ -149,8 +149,7 @@ def _with_resolved_corpora(config: TrainConfig) -> TrainConfig:
     target's first and second turns) and the held-out sibling of the first, where it exists."""
     from jetflow.drafters.training.corpus import default_eval_corpus_dir, training_corpus_dirs
 
-    given = [config.corpus] if isinstance(config.corpus, str) else config.corpus
-    corpora = [Path(c) for c in given] if given else training_corpus_dirs()
+    corpora = [Path(c) for c in config.corpus] if config.corpus else training_corpus_dirs()
     eval_corpus = Path(config.eval_corpus) if config.eval_corpus else default_eval_corpus_dir(corpora[0])
     return config.model_copy(
         update={
@@ -168,7 +167,7 @@ def _as_recorded(folder: Path) -> str:
 
 
 def _open_store(
-    corpus_dirs: str | list[str],
+    corpus_dirs: list[str],
     features_dir: str | None,
     layers: tuple[int, ...],
     target,
@@ -186,8 +185,6 @@ def _open_store(
     from jetflow.drafters.training.examples import ConcatStore
     from jetflow.drafters.training.features import FeatureStore
 
-    if isinstance(corpus_dirs, str):
-        corpus_dirs = [corpus_dirs]
     folders = [Path(c) for c in corpus_dirs]
     if features_dir and len(folders) > 1:
         raise ConfigError("features names the cache of one corpus; with several corpora leave it unset")

@@ -48,7 +48,7 @@ from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.training.distributed import DataParallel
 from jetflow.drafters.training.examples import SequenceStore, collate, response_token_counts, sample_anchors
 from jetflow.drafters.training.losses import LossConfig, depth_weights, position_losses
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -92,7 +92,7 @@ class TrainConfig(_Frozen):
 
     drafter: str = Field("jetflow", description="drafter plugin whose head is trained")
     target: str = Field("default", description="target spec, as for `jetflow generate`")
-    corpus: str | list[str] | None = Field(
+    corpus: list[str] | None = Field(
         None,
         description="corpus folder(s), read as one; default: the default target's first and second turns",
     )
@@ -141,6 +141,12 @@ class TrainConfig(_Frozen):
             "optimiser, the teacher and evaluation stay fp32); auto: bf16 where it is native"
         ),
     )
+
+    @field_validator("corpus", mode="before")
+    @classmethod
+    def _one_corpus_is_a_list(cls, value: Any) -> Any:
+        """A recipe may name a single corpus as a string; everything downstream reads a list."""
+        return [value] if isinstance(value, str) else value
 
     @classmethod
     def from_toml(

@@ -77,8 +77,8 @@ def test_the_heldout_split_makes_an_evaluation_corpus_that_training_refuses(
     assert corpus.ids == ["0", "1"] and corpus.manifest["source"] == "sharegpt-heldout"
 
     with pytest.raises(ConfigError, match="never for training"):
-        train_cli._open_store(str(out), None, (1, 2), target)
-    assert len(train_cli._open_store(str(out), None, (1, 2), target, purpose="eval")) == 2
+        train_cli._open_store([str(out)], None, (1, 2), target)
+    assert len(train_cli._open_store([str(out)], None, (1, 2), target, purpose="eval")) == 2
     twice = [str(out), str(out)]
     assert len(train_cli._open_store(twice, None, (1, 2), target, purpose="eval")) == 4
     assert len(train_cli._open_store(twice, None, (1, 2), target, purpose="eval", limit=1)) == 1

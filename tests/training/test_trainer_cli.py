@@ -65,6 +65,15 @@ def test_the_shipped_recipe_is_a_valid_config() -> None:
     assert config.drafter == "jetflow" and config.loss.kind == "sft"
 
 
+def test_a_recipe_naming_one_corpus_reads_as_a_list_of_one(tmp_path) -> None:
+    from jetflow.drafters.training.trainer import TrainConfig
+
+    recipe = tmp_path / "train.toml"
+    recipe.write_text('corpus = "corpora/one"\n')
+    assert TrainConfig.from_toml(recipe).corpus == ["corpora/one"]
+    assert TrainConfig.from_toml(recipe, corpus=["a", "b"]).corpus == ["a", "b"]
+
+
 def test_set_overrides_nested_values_and_a_typo_is_a_clear_error(
     tiny_world, tiny_llama, tmp_path, capsys
 ) -> None:
