@@ -64,8 +64,7 @@ def _header(results: BenchResults) -> list[str]:
         f"(asked: `{settings.get('dtype')}`)",
         f"* machine: {machine.get('cpu')}, {accelerator}, native bf16: {machine.get('native_bf16')}; "
         f"torch {machine.get('torch')}, transformers {machine.get('transformers')}",
-        f"* data: {', '.join(f'{k} ({v} samples)' for k, v in settings.get('n_samples', {}).items())}; "
-        f"max_new_tokens {settings.get('max_new_tokens')} per turn",
+        f"* data: {data_line(results)}; max_new_tokens {settings.get('max_new_tokens')} per turn",
         f"* drafters {', '.join(settings.get('drafters', []))} at budgets "
         f"{', '.join(str(b) for b in settings.get('budgets', []))}; "
         "speedup = tokens/s over `ar` (the same engine loop without a drafter) on the same prompts, "
@@ -91,6 +90,16 @@ def _header(results: BenchResults) -> list[str]:
         against = "its reference's (`ar`; `vllm` for vLLM's methods)" if _has_vllm(results.runs) else "`ar`'s"
         lines += ["", f"Lossless check passed: every method's greedy output equals {against}{note}."]
     return lines
+
+
+def data_line(results: BenchResults) -> str:
+    """The data sets the rows measure, and those a run loaded but has not measured yet (a
+    resumable comparison saved part-way), so a reader never takes a planned set for a measured one."""
+    measured = {run["dataset"] for run in results.runs}
+    samples = results.settings.get("n_samples", {})
+    line = ", ".join(f"{name} ({count} samples)" for name, count in samples.items() if name in measured)
+    pending = [name for name in samples if name not in measured]
+    return line + (f"; not yet measured: {', '.join(pending)}" if pending else "")
 
 
 def _summary(runs: Sequence[dict[str, Any]]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from jetflow.bench.report import data_line
 from jetflow.bench.results import BenchResults, check_compatible, merge_saved
 from jetflow.core.errors import ConfigError
 
@@ -70,3 +71,11 @@ def test_a_resume_that_measures_nothing_leaves_the_file_as_it_was(tmp_path: Path
     again.settings["command"] = "jetflow bench --resume"
     merge_saved(path, again)
     assert path.read_text() == before
+
+
+def test_the_report_names_the_data_sets_loaded_but_not_yet_measured() -> None:
+    results = _results("champ", 4)
+    results.settings["n_samples"] |= {"mtbench": 2}
+    assert data_line(results) == "champ (2 samples); not yet measured: mtbench"
+    results.runs.append({"method": "ar", "dataset": "mtbench", "budget": None})
+    assert data_line(results) == "champ (2 samples), mtbench (2 samples)"
