@@ -657,14 +657,15 @@ class Trainer:
         bar.close()
         wall = time.perf_counter() - start
         final = self.out / "final"
+        if main and not evaluation:
+            evaluation = self.evaluate()
+        train_s = self.train_s  # one reading, so the shipped head and the result agree
         if main:
-            if not evaluation:
-                evaluation = self.evaluate()
-            info = self._info(**evaluation, wall_s=round(wall, 1), train_s=round(self.train_s, 1))
+            info = self._info(**evaluation, wall_s=round(wall, 1), train_s=round(train_s, 1))
             save_checkpoint(final, self.head, info, _DTYPES[cfg.ship_dtype])
             self.save()
         self.parallel.barrier()  # the checkpoints exist once any process returns
-        return TrainResult(self.step, wall, self.train_s, positions / max(wall, 1e-9), final, evaluation)
+        return TrainResult(self.step, wall, train_s, positions / max(wall, 1e-9), final, evaluation)
 
 
 def _chunks(rows: int, size: int) -> list[slice]:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from jetflow.cli import data as data_cli
 from jetflow.core.target import Target
+from jetflow.drafters.training import trainer as trainer_module
 
 from tests.conftest import make_tiny_target
 
@@ -42,3 +45,11 @@ def tiny_data_target(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterato
     threads = torch.get_num_threads()
     yield make
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def ticking_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's clock advances one second per reading, so tests of its time accounting
+    do not depend on how fast this machine runs the steps."""
+    ticks = itertools.count(start=0.0, step=1.0)
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))

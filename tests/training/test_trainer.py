@@ -124,7 +124,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_llama, tmp_path) ->
     assert final.keys() == whole.head.state_dict().keys()
 
 
-def test_training_time_adds_up_over_resumed_runs(tiny_llama, tmp_path) -> None:
+def test_training_time_adds_up_over_resumed_runs(tiny_llama, ticking_clock, tmp_path) -> None:
     first = quick_trainer(tiny_llama, tmp_path, steps=4, checkpoint_every=2)
     first_result = first.fit()
     resumed = quick_trainer(tiny_llama, tmp_path, steps=8, checkpoint_every=2)
