@@ -1,4 +1,5 @@
-"""Fixtures of the ``jetflow data`` tests: the command run against a tiny target."""
+"""Fixtures of the training tests: the ``jetflow data`` commands run against a tiny target, and a
+ticking clock for the trainer's time accounting."""
 
 from __future__ import annotations
 
