@@ -198,9 +198,22 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $@
 
-lint: setup
+lint: setup typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy finds packages by folder name, while pyproject maps the repository's folders into `jetflow`
+# (core/ -> jetflow.core, ...): check a tree of links laid out as the installed package is.
+TYPECHECK_TREE = build/typecheck
+.PHONY: typecheck
+typecheck: setup
+	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/jetflow
+	ln -s $(CURDIR)/jetflow/*.py $(TYPECHECK_TREE)/jetflow/
+	$(VENV)/bin/python -c "import pathlib, tomllib; \
+		dirs = tomllib.load(open('pyproject.toml', 'rb'))['tool']['setuptools']['package-dir']; \
+		[pathlib.Path('$(TYPECHECK_TREE)', *name.split('.')).symlink_to(pathlib.Path(path).resolve()) \
+		 for name, path in dirs.items() if name.count('.') == 1]"
+	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p jetflow
 
 # The tree-attention kernel against SDPA with the dense mask on a GPU (attention/bench.py): prefixes
 # 512-8192, trees of 16-256 nodes, two head layouts, bf16; with a sweep of the kernel's tilings
