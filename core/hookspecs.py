@@ -18,13 +18,16 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def jetflow_drafters() -> list[type]:
     """Return the :class:`~jetflow.core.contracts.Drafter` classes this module provides."""
+    raise NotImplementedError  # a specification: pluggy calls the implementations
 
 
 @hookspec
 def jetflow_tree_policies() -> list[type]:
     """Return the :class:`~jetflow.core.contracts.TreePolicy` classes this module provides."""
+    raise NotImplementedError
 
 
 @hookspec
 def jetflow_verifiers() -> list[type]:
     """Return the :class:`~jetflow.core.contracts.Verifier` classes this module provides."""
+    raise NotImplementedError

@@ -21,6 +21,10 @@ from transformers.cache_utils import DynamicLayer
 class SlabLayer(DynamicLayer):
     """A ``DynamicLayer`` over preallocated storage ``[batch, kv_heads, capacity, head_dim]``."""
 
+    # views of the slabs, set from construction on (a plain layer's are None until its first update)
+    keys: Tensor
+    values: Tensor
+
     def __init__(self, key_slab: Tensor, value_slab: Tensor) -> None:
         super().__init__()
         self.key_slab, self.value_slab = key_slab, value_slab

@@ -53,10 +53,11 @@ def packing_unavailable(module_or_weight: nn.Module | Tensor) -> str | None:
     """Why these weights are not packed here, or None when they are."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
-    if isinstance(module_or_weight, Tensor):
-        parameter = module_or_weight
-    else:
-        parameter = next(module_or_weight.parameters(), None)
+    parameter: Tensor | None = (
+        module_or_weight
+        if isinstance(module_or_weight, Tensor)
+        else next(module_or_weight.parameters(), None)
+    )
     if parameter is None or parameter.device.type != "cpu":
         return "not on the CPU"
     if parameter.dtype != torch.bfloat16:
@@ -80,7 +81,8 @@ def pack_linear_weights(model: nn.Module) -> int:
         return 0
     layers = [module for module in model.modules() if type(module) is nn.Linear]
     for linear in layers:
-        linear.forward = PackedLinear(linear.weight, linear.bias)
+        # an instance attribute shadows the class's forward: nn.Module.__call__ finds it first
+        setattr(linear, "forward", PackedLinear(linear.weight, linear.bias))  # noqa: B010
     return len(layers)
 
 

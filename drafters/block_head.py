@@ -22,7 +22,7 @@ mask) would call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from jetflow.drafters.blocks import (
@@ -132,6 +132,11 @@ class BlockHead(nn.Module):
         nn.init.normal_(self.mask_embedding, std=0.02)
 
     @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, typed (a ``ModuleList`` yields plain modules to a type checker)."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
+    @property
     def max_depth(self) -> int:
         return self.config.max_depth
 
@@ -197,7 +202,7 @@ class BlockHead(nn.Module):
         of ``[anchor embedding ; fused feature of the token before the anchor]``, so every
         slot starts from what an EAGLE query sees instead of fetching it through attention.
         """
-        if self.slot_proj is None:
+        if self.slot_proj is None or self.anchor_norm is None:
             return self.mask_embedding.expand(*anchor_embeds.shape[:2], 1, -1)
         if last_fused is None:
             raise ValueError("anchored slots need the fused feature before each anchor")
@@ -217,7 +222,7 @@ class BlockHead(nn.Module):
         ``context_tokens``, a projection of the embedding of the token after each one
         (``next_embeds [b, c, H]``; the last context token's next token is the anchor)."""
         fused = self.fusion(features.to(self.dtype))
-        if self.token_proj is None:
+        if self.token_proj is None or self.token_norm is None:
             return fused
         if next_embeds is None:
             raise ValueError("a head with context_tokens needs the embeddings of the next tokens")
@@ -233,7 +238,7 @@ class BlockHead(nn.Module):
         """Per-layer keys/values of already ``fused [b, c, H]`` features at positions ``start ..``."""
         positions = start + torch.arange(fused.shape[1], device=fused.device)
         rotary = self.rotary(positions.expand(fused.shape[0], -1))
-        return tuple(layer.context_kv(fused, rotary) for layer in self.layers)
+        return tuple(layer.context_kv(fused, rotary) for layer in self.decoder_layers)
 
     def block_hidden(self, x: Tensor, positions: Tensor, context: tuple[KV, ...], mask: Tensor) -> Tensor:
         """The generic block forward: ``x [b, q, H]`` at ``positions [b, q]`` -> normed ``[b, q, H]``.
@@ -241,7 +246,7 @@ class BlockHead(nn.Module):
         ``mask [b, q, c + q]`` covers the ``c`` context entries of ``context`` and the block.
         """
         rotary = self.rotary(positions)
-        for layer, kv in zip(self.layers, context, strict=True):
+        for layer, kv in zip(self.decoder_layers, context, strict=True):
             x = layer(x, rotary, kv, mask)
         return self.norm(x)
 
@@ -343,7 +348,9 @@ class BlockHead(nn.Module):
 
     def _last(self, cache: ContextCache) -> Tensor | None:
         """The cache's last fused feature as ``[1, 1, H]`` when the slots need it."""
-        return None if self.slot_proj is None else cache.last_fused.reshape(1, 1, -1)
+        if self.slot_proj is None or cache.last_fused is None:
+            return None
+        return cache.last_fused.reshape(1, 1, -1)
 
     def refresh(self, cache: ContextCache, node_embeds: Tensor, depths: Tensor, ancestors: Tensor) -> Tensor:
         """Path-conditioned children of every node of a draft tree in one pass: ``[n, H]``.

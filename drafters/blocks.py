@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from jetflow.core.errors import TargetError
 from jetflow.core.packed_weights import PackedLinear, packed_or_plain
 from torch import Tensor, nn
 
@@ -47,6 +48,8 @@ class AttentionShape:
 
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half convention) at arbitrary absolute positions."""
+
+    inv_freq: Tensor
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -74,7 +77,8 @@ class FeatureFusion(nn.Module):
     def __init__(self, n_layers: int, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.proj = nn.Linear(n_layers * hidden_size, hidden_size, bias=False)
-        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        #: an EAGLE-3 layout replaces it by ``nn.Identity`` (its layer normalises every state)
+        self.norm: nn.Module = nn.RMSNorm(hidden_size, eps=eps)
 
     def forward(self, features: Tensor) -> Tensor:
         """``features [..., k, H]`` -> ``[..., H]``."""
@@ -156,11 +160,14 @@ class FrozenTargetParts:
     """The target's token embedding and LM head: shared, frozen, never part of a head's weights."""
 
     embed_tokens: nn.Module
-    lm_head: nn.Module
+    lm_head: nn.Linear
 
     @classmethod
     def from_target(cls, target: Target) -> FrozenTargetParts:
-        return cls(target.model.get_input_embeddings(), target.model.get_output_embeddings())
+        lm_head = target.model.get_output_embeddings()
+        if not isinstance(lm_head, nn.Linear):
+            raise TargetError(f"the target's LM head is a {type(lm_head).__name__}; heads share a linear one")
+        return cls(target.model.get_input_embeddings(), lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -200,9 +207,9 @@ class DraftLMHead:
     packed: PackedLinear | None = None
 
     @classmethod
-    def build(cls, lm_head: nn.Module, tokens: Tensor | None = None) -> DraftLMHead:
-        weight, bias = lm_head.weight.detach(), getattr(lm_head, "bias", None)
-        bias = None if bias is None else bias.detach()
+    def build(cls, lm_head: nn.Linear, tokens: Tensor | None = None) -> DraftLMHead:
+        weight = lm_head.weight.detach()
+        bias = None if lm_head.bias is None else lm_head.bias.detach()
         if tokens is not None:
             tokens = tokens.to(weight.device)
             weight = weight[tokens]
@@ -268,7 +275,4 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
 def register_draft_vocabulary(module: nn.Module, size: int | None) -> None:
     """Give a head its ``draft_tokens`` buffer: ``[size]`` vocabulary ids (the trainer fills
     them from response-token frequencies and they are saved with the weights), or None."""
-    if size is None:
-        module.draft_tokens = None
-    else:
-        module.register_buffer("draft_tokens", torch.arange(size))
+    module.register_buffer("draft_tokens", None if size is None else torch.arange(size))

@@ -121,6 +121,8 @@ class EagleSession:
 
     def _evaluate(self, tree: DraftTree, new: Tensor) -> None:
         """One head forward for drafted nodes ``new`` (``[q]``) whose parents were evaluated."""
+        if self._hidden is None or self._states is None:
+            raise RuntimeError("the eagle session has no root to draft from (an empty context)")
         parent_rows = self._row[tree.parents[new]]
         if bool((parent_rows < 0).any()):
             raise RuntimeError("children asked for a node whose parent was never expanded")
@@ -147,6 +149,8 @@ class EagleDrafter(LearnedDrafter):
     description = "EAGLE-3-style autoregressive head: one forward per tree level, path-conditioned"
     Params = EagleParams
     default_tree_policy = "eagle-dynamic"
+    params: EagleParams
+    head: EagleHead
 
     @classmethod
     def head_from_architecture(cls, architecture: dict[str, Any]) -> EagleHead:

@@ -164,6 +164,8 @@ class JetFlowDrafter(LearnedDrafter):
     description = "causal parallel block head: one forward drafts a distribution per depth"
     Params = BlockHeadParams
     default_tree_policy = "best-first"
+    params: BlockHeadParams
+    head: BlockHead
     #: in-block attention mask of the head this drafter trains and loads
     causal: ClassVar[bool] = True
 
