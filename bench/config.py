@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jetflow.bench.datasets import DATASET_NAMES, FILE_PREFIX
 from jetflow.bench.lossless import DEFAULT_TIE_TOLERANCE
 from jetflow.core.config import AUTO_BUDGET, Budget, TreeConfig, build_config, load_layered_toml, merge
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import DtypeName
 from jetflow.core.registry import Registry, default_registry
+from jetflow.data.prompt_sets import DATASET_NAMES, FILE_PREFIX
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 #: the in-process baselines; ``ar`` (the engine loop without a drafter) always runs

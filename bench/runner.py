@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 from jetflow.bench.config import AR, VLLM_FIELDS, BenchConfig
-from jetflow.bench.datasets import Sample, load_dataset_samples
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.journal import SampleJournal, check_same_prompt, journal_path
 from jetflow.bench.lossless import LosslessChecker
@@ -31,6 +30,7 @@ from jetflow.bench.results import BenchResults, check_compatible
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.registry import Registry
 from jetflow.core.target import Target
+from jetflow.data.prompt_sets import Sample, load_dataset_samples
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)

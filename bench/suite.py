@@ -16,13 +16,13 @@ from functools import cached_property
 from pathlib import Path
 
 from jetflow.bench.config import AR, BenchConfig
-from jetflow.bench.datasets import FILE_PREFIX, load_dataset_samples
 from jetflow.bench.generation import Method
 from jetflow.bench.lossless import LosslessChecker
 from jetflow.bench.metrics import TurnRecord, decode_tokens_per_s, summarise, tokens_per_s
 from jetflow.bench.runner import BenchmarkRunner, apply_threads, turn_prompt_ids
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.target import Target
+from jetflow.data.prompt_sets import FILE_PREFIX, load_dataset_samples
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import torch
-from jetflow.bench import datasets
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
+from jetflow.data import prompt_sets
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import second_turns
 from jetflow.drafters.training.corpus import (
@@ -153,7 +153,7 @@ def _regenerate(args: argparse.Namespace) -> int:
             "--n, --max-new-tokens, --max-prompt-tokens, --batch-size and --shard-size must be positive"
         )
     heldout = args.source == HELDOUT_SOURCE
-    if args.source in datasets.BENCHMARK_NAMES and not (heldout and args.turn == 1):
+    if args.source in prompt_sets.BENCHMARK_NAMES and not (heldout and args.turn == 1):
         raise ConfigError(
             f"--source {args.source!r} is a benchmark set; training data must never contain it "
             f"(first turns of {HELDOUT_SOURCE!r} make the evaluation corpus, which training refuses)"
@@ -161,7 +161,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     if args.turn == 2:
         return _regenerate_second_turns(args)
     if heldout:
-        samples, source_info = datasets.load_sharegpt_heldout(), {"split": HELDOUT_SOURCE}
+        samples, source_info = prompt_sets.load_sharegpt_heldout(), {"split": HELDOUT_SOURCE}
     else:
         samples, source_info = _training_samples(args.source)
     target = _load_target(args)
@@ -171,7 +171,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         target.encode_prompt,
         args.n,
         max_prompt_tokens=max_prompt_tokens,
-        exclude=set() if heldout else datasets.benchmark_prompt_texts(),
+        exclude=set() if heldout else prompt_sets.benchmark_prompt_texts(),
     )
     layers = None if args.no_features else (args.layers or default_feature_layers(target.num_layers))
     out = args.out or corpus_dir_for(target.name)
@@ -194,17 +194,17 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _training_samples(source: str) -> tuple[list[datasets.Sample], dict]:
+def _training_samples(source: str) -> tuple[list[prompt_sets.Sample], dict]:
     """The training side of ``source`` (ShareGPT less its held-out split) and what it was."""
     if source != "sharegpt":
-        return datasets.load_dataset_samples(source), {}
-    samples, report = datasets.load_sharegpt_with_report()
-    samples, heldout = datasets.split_sharegpt(samples)
+        return prompt_sets.load_dataset_samples(source), {}
+    samples, report = prompt_sets.load_sharegpt_with_report()
+    samples, heldout = prompt_sets.split_sharegpt(samples)
     info = {
         "file": report.path.name,
         "recovered": report.recovered,
         "dropped": report.dropped,
-        "heldout": {"last": datasets.SHAREGPT_HELDOUT_SIZE, "kept_for_eval": len(heldout)},
+        "heldout": {"last": prompt_sets.SHAREGPT_HELDOUT_SIZE, "kept_for_eval": len(heldout)},
     }
     return samples, info
 
@@ -221,7 +221,7 @@ def _regenerate_second_turns(args: argparse.Namespace) -> int:
         parent,
         out,
         {s.id: s for s in samples},
-        exclude=datasets.benchmark_prompt_texts(every_turn=True),
+        exclude=prompt_sets.benchmark_prompt_texts(every_turn=True),
         follow=args.follow,
         limit=args.n,
         layers=layers,

@@ -180,7 +180,7 @@ def _open_store(
     With ``limit``, only the first ``limit`` sequences are read (corpora past them are not
     opened), so only their features need to exist.
     """
-    from jetflow.bench.datasets import BENCHMARK_NAMES
+    from jetflow.data.prompt_sets import BENCHMARK_NAMES
     from jetflow.drafters.training.corpus import Corpus
     from jetflow.drafters.training.examples import ConcatStore
     from jetflow.drafters.training.features import FeatureStore

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from jetflow.bench.datasets import Sample, prompt_key
 from jetflow.core.errors import DataError
 from jetflow.core.kv_cache import slab_cache
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
+from jetflow.data.prompt_sets import Sample, prompt_key
 from jetflow.drafters.training.corpus import Corpus, CorpusWriter, pack_shard, token_dtype, tokens_digest
 from jetflow.drafters.training.features import (
     FEATURE_DTYPE,

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from jetflow.bench.datasets import Sample, prompt_key
 from jetflow.core.target import Target
+from jetflow.data.prompt_sets import Sample, prompt_key
 from jetflow.drafters.training.corpus import MANIFEST_NAME, Corpus, read_manifest
 from jetflow.drafters.training.regenerate import (
     DEFAULT_BATCH_SIZE,

@@ -11,11 +11,11 @@ import logging
 
 import pytest
 import torch
-from jetflow.bench.datasets import load_dataset_samples
 from jetflow.bench.lossless import LosslessChecker
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.target import Target
+from jetflow.data.prompt_sets import load_dataset_samples
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from jetflow.bench.datasets import load_dataset_samples
 from jetflow.core import calibration as cal
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.target import Target
+from jetflow.data.prompt_sets import load_dataset_samples
 
 from tests.core.test_adaptive import calibration_record
 

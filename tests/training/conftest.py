@@ -37,7 +37,7 @@ def tiny_data_target(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterato
         target.tokenizer.chat_template = chat_template
         monkeypatch.setattr(data_cli.Target, "load", classmethod(lambda cls, spec, dtype=None: target))
         monkeypatch.setattr(
-            data_cli.datasets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
+            data_cli.prompt_sets, "benchmark_prompt_texts", lambda every_turn=False: benchmark[every_turn]
         )
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(record) + "\n" for record in records))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from jetflow.bench.datasets import Sample, benchmark_prompt_texts, load_sharegpt, prompt_key
 from jetflow.cli.main import main
 from jetflow.core.errors import DataError
+from jetflow.data.prompt_sets import Sample, benchmark_prompt_texts, load_sharegpt, prompt_key
 from jetflow.drafters.training.corpus import (
     Corpus,
     CorpusWriter,

@@ -61,15 +61,15 @@ def test_benchmark_sources_are_refused(tiny, capsys: pytest.CaptureFixture[str])
 def test_the_heldout_split_makes_an_evaluation_corpus_that_training_refuses(
     tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from jetflow.bench.datasets import Sample
     from jetflow.cli import data as data_cli
     from jetflow.cli import train as train_cli
     from jetflow.core.errors import ConfigError
+    from jetflow.data.prompt_sets import Sample
 
     target, _ = tiny
     # a held-out prompt equal to a benchmark text stays: the evaluation corpus is never trained on
     heldout = [Sample(str(i), "sharegpt-heldout", [text]) for i, text in enumerate(["w5 w6 w7", "w2 w4"])]
-    monkeypatch.setattr(data_cli.datasets, "load_sharegpt_heldout", lambda: heldout)
+    monkeypatch.setattr(data_cli.prompt_sets, "load_sharegpt_heldout", lambda: heldout)
     out = tmp_path / "heldout"
     argv = ["data", "regenerate", "--source", "sharegpt-heldout", "--n", "2", "--max-new-tokens", "4"]
     assert main([*argv, "--threads", "1", "--layers", "1,2", "--out", str(out)]) == 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from jetflow.bench import datasets
 from jetflow.bench.runner import turn_prompt_ids
 from jetflow.core.errors import DataError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
+from jetflow.data import prompt_sets
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, heldout_dir, second_turn_dir
 from jetflow.drafters.training.features import FeatureStore
@@ -90,7 +90,7 @@ def test_second_turns_follow_the_first_answers_as_the_benchmark_builds_turn_two(
     corpus: Corpus, second_turns: Corpus, real_target: Target
 ) -> None:
     """A second-turn prompt is MT-Bench's turn-2 prompt with the corpus's own first answer."""
-    samples = {s.id: s for s in datasets.split_sharegpt(datasets.load_sharegpt())[0]}
+    samples = {s.id: s for s in prompt_sets.split_sharegpt(prompt_sets.load_sharegpt())[0]}
     assert set(second_turns.ids) <= set(corpus.ids)
     sample_id = second_turns.ids[0]
     tokens, prompt_length = corpus.sequence(corpus.ids.index(sample_id))
@@ -119,7 +119,7 @@ def test_the_evaluation_corpus_answers_held_out_conversations_only(
     if (second / "manifest.json").exists():
         training |= set(Corpus(second).ids)
     assert heldout.manifest["source"] == "sharegpt-heldout"
-    assert set(heldout.ids) <= {s.id for s in datasets.load_sharegpt_heldout()}
+    assert set(heldout.ids) <= {s.id for s in prompt_sets.load_sharegpt_heldout()}
     assert not set(heldout.ids) & training
     tokens, prompt_length = heldout.sequence(0)
     new_tokens = heldout.manifest["settings"]["max_new_tokens"]

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jetflow.bench import datasets as ds
 from jetflow.core.errors import ConfigError, DataError
+from jetflow.data import prompt_sets as ds
 
 
 @pytest.fixture(scope="module", autouse=True)
