@@ -12,7 +12,7 @@ from jetflow.cli.main import main
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.registry import default_registry
 from jetflow.drafters.blocks import FrozenTargetParts
-from jetflow.drafters.training.checkpoint import CheckpointInfo, save_checkpoint, target_record
+from jetflow.drafters.checkpoint import CheckpointInfo, save_checkpoint, target_record
 from jetflow.export.compat import NotExportableError, dflash_differences
 from jetflow.export.dflash import choose_mask_token
 from jetflow.export.exporter import build_export
