@@ -93,7 +93,7 @@ def _timed_candidates(enabled: bool) -> Iterator[_Stopwatch]:
 
     owner = getattr(candidate_generator, "PromptLookupCandidateGenerator", None)
     original = getattr(owner, "get_candidates", None)
-    if original is None:
+    if owner is None or original is None:
         log.warning("transformers has no PromptLookupCandidateGenerator.get_candidates: draft time unknown")
         yield watch
         return

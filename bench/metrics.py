@@ -41,9 +41,10 @@ def decode_tokens_per_s(records: Sequence[TurnRecord]) -> float | None:
     prompts stays below this one, which it approaches as answers grow.
     """
     prefills = [record.generation.prefill_s for record in records]
-    if any(prefill is None for prefill in prefills):
+    known = [prefill for prefill in prefills if prefill is not None]
+    if len(known) < len(prefills):
         return None
-    return tokens_per_s(records, leave_out_s=sum(prefills))
+    return tokens_per_s(records, leave_out_s=sum(known))
 
 
 def step_histogram(per_step: Sequence[tuple[int, ...] | None]) -> dict[str, int] | None:
@@ -90,7 +91,7 @@ def summarise(
         "method": method.name,
         "dataset": dataset,
         # an adaptive budget's run is named by the budget it used most
-        "budget": int(max(budgets, key=budgets.get)) if budgets else method.budget,
+        "budget": int(max(budgets, key=lambda budget: budgets[budget])) if budgets else method.budget,
         "n_prompts": len({record.sample_id for record in records}),
         "new_tokens": tokens,
         "tau": tokens / steps if steps else 0.0,
@@ -104,7 +105,7 @@ def summarise(
         "steps": steps,
         "wall_s": wall,
         "verify_share": sum(g.verify_s for g in generations) / wall if wall > 0 else 0.0,
-        "prefill_share": None if decode is None else sum(g.prefill_s for g in generations) / wall,
+        "prefill_share": None if decode is None else sum(g.prefill_s or 0.0 for g in generations) / wall,
         "decode_tokens_per_s": decode,
         "decode_speedup_vs_ar": decode / ar_decode_tokens_per_s
         if decode is not None and ar_decode_tokens_per_s

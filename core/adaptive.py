@@ -39,6 +39,7 @@ seeded sampled generation on a fresh engine is reproducible.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class AdaptiveBudget:
         self.choice = self._choose()
 
     @classmethod
-    def from_calibration(cls, calibration: Calibration, **options: float) -> AdaptiveBudget:
+    def from_calibration(cls, calibration: Calibration, **options: Any) -> AdaptiveBudget:
         """Candidates are the calibration's measured budgets (budget 0, no drafting, among them)."""
         points = calibration.points
         return cls(
@@ -152,6 +153,7 @@ class AdaptiveBudget:
         self._emitted_sq *= self.forgetting
         self._steps *= self.forgetting
         self._nested_so_far &= nested
+        emitted: np.ndarray | float  # per candidate budget seen, or one count for the budget run
         if nested:
             seen = self.budgets <= budget
             emitted = 1 + accepted_within(tree, path, self.budgets[seen])

@@ -18,6 +18,7 @@ from jetflow.core.cost_model import CHOICE_TOLERANCE
 from jetflow.core.precision import cpu_model, dtype_name
 from jetflow.core.target import Target
 from pydantic import BaseModel, ConfigDict, Field
+from torch import device as TorchDevice  # the field `torch` below shadows the module
 
 if TYPE_CHECKING:
     from jetflow.core.config import TreeConfig
@@ -39,7 +40,7 @@ class MachineKey(_Frozen):
     torch: str
 
     @classmethod
-    def current(cls, device: torch.device) -> MachineKey:
+    def current(cls, device: TorchDevice) -> MachineKey:
         accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return cls(
             cpu=cpu_model(),

@@ -145,8 +145,8 @@ class ComposedSession:
         self.sessions = list(sessions)
         self.weight = weight
         self._record = record
-        depths = [s.max_depth for s in self.sessions]
-        self.max_depth = None if None in depths else max(depths)
+        bounded = [s.max_depth for s in self.sessions if s.max_depth is not None]
+        self.max_depth = max(bounded) if len(bounded) == len(self.sessions) else None
         if any(isinstance(s, RefinableSession) for s in self.sessions):
             self.refine = self._refine  # the engine refines a session that offers it
 
@@ -193,8 +193,9 @@ class ComposedDrafter(Drafter):
     """Base of every composed drafter class; :func:`compose` makes one per pair of parts."""
 
     parts: ClassVar[tuple[type[Drafter], ...]] = ()
+    params: MixtureParams
 
-    def __init__(self, params: BaseModel, target: Target) -> None:
+    def __init__(self, params: MixtureParams, target: Target) -> None:
         super().__init__(params, target)
         self.drafters = [cls(getattr(params, _field(cls.name)), target) for cls in self.parts]
         self.layers = tuple(sorted({layer for d in self.drafters for layer in d.feature_layers}))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
-from typing import Literal
+from typing import Literal, overload
 
 import pluggy
 from jetflow.core import composition, hookspecs
@@ -95,6 +95,15 @@ class Registry:
 
     def names(self, kind: PluginKind) -> list[str]:
         return [info.name for info in self.plugins(kind)]
+
+    @overload
+    def get(self, kind: Literal["drafter"], name: str) -> type[Drafter]: ...
+    @overload
+    def get(self, kind: Literal["tree_policy"], name: str) -> type[TreePolicy]: ...
+    @overload
+    def get(self, kind: Literal["verifier"], name: str) -> type[Verifier]: ...
+    @overload
+    def get(self, kind: PluginKind, name: str) -> type[Plugin]: ...
 
     def get(self, kind: PluginKind, name: str) -> type[Plugin]:
         """The plugin class registered as ``name``, or an error listing the known names.

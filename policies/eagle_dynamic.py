@@ -27,6 +27,7 @@ class EagleDynamic(TreePolicy):
     name = "eagle-dynamic"
     description = "EAGLE-2 dynamic tree: expand the top-k nodes of each level, keep the best budget nodes"
     Params = EagleDynamicParams
+    params: EagleDynamicParams
 
     def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
         return grow_levelwise(session, root, shape, frontier=self.params.top_k)
