@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -68,6 +69,7 @@ class Target:
         self.compiled: CompiledForward | None = None
         #: the linear layers' weights: ``packed`` once for oneDNN (CPU bfloat16) or ``plain``
         self.linear_weights = "packed" if pack_linear_weights(self.model) else "plain"
+        self._raw_prompts_logged = False  # the no-chat-template notice is logged once per target
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -150,14 +152,27 @@ class Target:
         return {"name": self.name, "dtype": dtype_name(self.dtype), **self.fingerprint()}
 
     # ------------------------------------------------------------------ text
+    @cached_property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer formats chats (an instruct model) or not (a base model)."""
+        return bool(self.tokenizer.chat_template)
+
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
-        """Token ids of a prompt, through the chat template unless ``chat`` is false."""
+        """Token ids of a prompt: through the chat template unless ``chat`` is false or the
+        tokenizer has none (a base model), where the text (a chat's turns joined by blank lines)
+        is encoded as it is. Every path that formats prompts comes here, so they share the rule."""
+        if chat and not self.has_chat_template:
+            if not self._raw_prompts_logged:
+                log.warning("%s has no chat template: prompts are encoded as raw text", self.name)
+                self._raw_prompts_logged = True
+            chat = False
+        if not chat:
+            text = prompt if isinstance(prompt, str) else "\n\n".join(turn["content"] for turn in prompt)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if isinstance(prompt, str):
-            if not chat:
-                return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             prompt = [{"role": "user", "content": prompt}]
         ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
+        if isinstance(ids, Mapping):  # a BatchEncoding in some transformers versions
             ids = ids["input_ids"]
         return list(ids)
 
