@@ -8,7 +8,7 @@ checks that the two agree, optionally sweeps the kernel's tiling, and times buil
 mask once per verify (the old host-built dense mask plus its copy, the device-built dense mask,
 the device-built tree mask). Writes ``results.json`` and ``report.md`` into ``--out``::
 
-    python -m jetflow.attention.bench --out bench/results/tree-attention
+    python -m jetflow.attention.bench --out results/tree-attention
 
 Needs a CUDA device; it refuses to run without one (the CPU has no compiled Triton).
 """
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Time the Triton tree attention against SDPA with the dense mask on a CUDA GPU; "
         "write results.json and report.md.",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/tree-attention"))
+    parser.add_argument("--out", type=Path, default=Path("results/tree-attention"))
     parser.add_argument("--prefixes", type=_ints, default=DEFAULT_PREFIXES, help="comma-separated")
     parser.add_argument("--nodes", type=_ints, default=DEFAULT_NODES, help="comma-separated tree sizes")
     parser.add_argument(

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 NEW_TOKENS = 128
 # the previous jetflow recipe's converged head, trained for the refresh (the shipped one is not)
-PATH_CONDITIONED_HEAD = Path(__file__).parents[2] / "bench/results/converged/jetflow-forward-kl/head"
+PATH_CONDITIONED_HEAD = Path(__file__).parents[1] / "fixtures/heads/jetflow-forward-kl"
 
 
 @pytest.fixture(scope="module")
