@@ -1,11 +1,11 @@
 """Is every method's greedy output the baseline's? And if not, is that rounding or a bug?
 
-Speculative decoding is lossless with respect to the logits of the verify pass, but a
-16-token forward and a 1-token forward do not round identically. In float32 that never
-flips an argmax in practice (REFERENCE.md: 0 of 463 positions), so any mismatch is a real
-divergence. In bf16/fp16 it does, at near-ties: each first divergence is classified by a
-teacher-forced forward of the reference tokens. If the two competing tokens are both
-within ``tie_tolerance`` of the top logit there, it is a rounding tie (still lossless);
+Speculative decoding is lossless with respect to the logits of the verify pass, but a 16-token
+forward and a 1-token forward do not round identically. In float32 that never flips an argmax
+in practice (0 of 463 teacher-forced positions on the embedded target), so any mismatch is a
+real divergence. In bf16/fp16 it does, at near-ties: each first divergence is classified by a
+teacher-forced forward of the reference tokens. If the two competing tokens are both within
+``tie_tolerance`` of the top logit there, it is a rounding tie (still lossless);
 anything else is a bug. After a first divergence the rest of the output is not comparable.
 """
 

@@ -1,7 +1,7 @@
 """The calibration harness: measure what a step costs here and how much it accepts, choose the budget.
 
-The budget that pays off depends on the hardware and the load (REFERENCE.md: 128-256 nodes
-on an H100, far fewer on a 2-core CPU), so it is measured rather than fixed:
+The budget that pays off depends on the hardware and the load (the JetFlow paper's best budgets
+are 128-256 nodes on an H100; a 2-core CPU pays for far fewer), so it is measured, not fixed:
 
 * ``T(n)``: the target's verify latency for a tree of ``n`` nodes (the real
   :meth:`Target.verify`, acceptance and commit on real trees; medians after warm-up),

@@ -1,7 +1,8 @@
 """bf16 on the real target: every divergence from ``generate`` must be a rounding tie.
 
 A tree forward and a one-token forward round differently in bf16, so at a near-tie the
-argmax may flip (REFERENCE.md: 2 of 486 positions). Each first divergence is classified
+argmax may flip (teacher-forcing greedy output through 16-token chunks flipped 2 of 486
+positions on the embedded target). Each first divergence is classified
 by the target's own logit gap at that position; a gap above the tolerance is a bug.
 """
 
