@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jetflow.core.errors import DataError
+from jetflow.drafters.training.run_log import LOG_NAME
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-LOG_NAME = "train_log.jsonl"
 CURVE_PLOT = "learning_curve.png"
 #: the depths a comparison table shows (accepted lengths on a CPU tree rarely pass 4)
 COMPARED_DEPTHS = 4

@@ -66,19 +66,22 @@ class DataParallel:
         """Sum the gradients of ``parameters`` over the ranks (one collective for all of them)."""
         if self.world == 1:
             return
-        params = [p for p in parameters if p.requires_grad]
-        for p in params:
+        grads: list[Tensor] = []
+        for p in parameters:
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = self.sum_(torch.cat([p.grad.flatten() for p in params]))
-        for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad.copy_(part.view_as(p))
+            grads.append(p.grad)
+        flat = self.sum_(torch.cat([grad.flatten() for grad in grads]))
+        for grad, part in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
 
-    def broadcast_(self, module: nn.Module) -> None:
-        """Give every rank rank 0's parameters and buffers (a fresh head or a resumed one)."""
+    def broadcast_(self, tensors: Iterable[Tensor]) -> None:
+        """Give every rank rank 0's values of ``tensors`` (a head's parameters and buffers), in place."""
         if self.world == 1:
             return
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in tensors:
             dist.broadcast(tensor.data, src=0)
 
     def barrier(self) -> None:

@@ -1,4 +1,4 @@
-"""Training examples: the sequence-store contract, anchor sampling and batch collation.
+"""Training examples: sequence stores, anchor sampling and batch collation.
 
 The batch and prediction types the heads' training hook speaks live beside the heads
 (:mod:`jetflow.drafters.examples`), so inference code never imports this package.
@@ -19,24 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from jetflow.drafters.examples import ExampleBatch
+from jetflow.drafters.training.contracts import Record, SequenceStore
 from torch import Tensor
-
-Record = tuple[Tensor, int, Tensor, Tensor]  # tokens [T], prompt length, features [F, k, H], final [F, H]
-
-
-@runtime_checkable
-class SequenceStore(Protocol):
-    """Where the trainer reads sequences from (the feature cache, or an in-memory store)."""
-
-    def __len__(self) -> int: ...
-
-    def sequence(self, index: int) -> Record:
-        """``(tokens [T] long, prompt_length, features [F, k, H] fp16, final [F, H] fp16)``."""
-        ...
+from transformers import PreTrainedModel
 
 
 @dataclass
@@ -71,14 +60,14 @@ class ConcatStore:
     def __init__(self, stores: Sequence[SequenceStore]) -> None:
         if not stores:
             raise ValueError("ConcatStore needs at least one store")
-        layers = {tuple(getattr(store, "layers", ()) or ()) for store in stores}
+        layers = {tuple(store.layers) for store in stores}
         if len(layers) > 1:
             raise ValueError(f"the stores hold features of different layers: {sorted(layers)}")
         self.stores = list(stores)
         self.layers = layers.pop()
         sizes = torch.tensor([len(store) for store in self.stores], dtype=torch.long)
         self._starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
-        parts = [dict(getattr(store, "manifest", None) or {}) for store in self.stores]
+        parts = [dict(store.manifest) for store in self.stores]
         counts: dict[str, int] = {}
         for part in parts:
             for key, value in (part.get("counts") or {}).items():
@@ -97,7 +86,7 @@ class ConcatStore:
 
 @torch.inference_mode()
 def capture_sequences(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     sequences: Sequence[Tensor],
     prompt_lengths: Sequence[int],
     layers: tuple[int, ...],

@@ -32,9 +32,11 @@ class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: LossKind = "forward-kl"
-    temperature: float = Field(1.0, gt=0, description="softening of both distributions (KL losses)")
+    temperature: float = Field(default=1.0, gt=0, description="softening of both distributions (KL losses)")
     sft_labels: Literal["tokens", "argmax"] = "tokens"
-    depth_decay: float | None = Field(None, gt=0, description="gamma of exp(-(d-1)/gamma); None: uniform")
+    depth_decay: float | None = Field(
+        default=None, gt=0, description="gamma of exp(-(d-1)/gamma); None: uniform"
+    )
 
     @property
     def needs_teacher(self) -> bool:
@@ -73,12 +75,12 @@ def position_losses(
     config: LossConfig, student_logits: Tensor, teacher_logprobs: Tensor | None, labels: Tensor
 ) -> Tensor:
     """The configured loss per row: ``[M]``. ``teacher_logprobs`` at ``config.temperature``."""
-    if config.kind == "sft":
-        if config.sft_labels == "argmax":
-            labels = teacher_logprobs.argmax(dim=-1)
+    if not config.needs_teacher:
         return cross_entropy(student_logits, labels)
     if teacher_logprobs is None:
         raise ValueError(f"the {config.kind} loss needs the teacher's log-probabilities")
+    if config.kind == "sft":  # on the teacher's argmax
+        return cross_entropy(student_logits, teacher_logprobs.argmax(dim=-1))
     if config.kind == "forward-kl":
         return forward_kl(student_logits, teacher_logprobs, config.temperature)
     return reverse_kl(student_logits, teacher_logprobs, config.temperature)

@@ -10,7 +10,7 @@ from jetflow.core.errors import CheckpointMismatchError, ConfigError
 from jetflow.core.registry import default_registry
 from jetflow.drafters.dflash.plugin import DFlashDrafter
 from jetflow.drafters.jetflow.plugin import BlockHeadParams, JetFlowDrafter
-from jetflow.drafters.training.trainer import TrainConfig
+from jetflow.drafters.training import TrainConfig
 
 from .tiny_heads import quick_trainer, save_head, tiny_head
 

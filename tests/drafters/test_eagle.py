@@ -17,8 +17,9 @@ from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts
 from jetflow.drafters.checkpoint import load_checkpoint, read_checkpoint
 from jetflow.drafters.eagle.head import EagleHead, EagleHeadConfig, low_middle_high
 from jetflow.drafters.eagle.plugin import EagleDrafter, EagleParams, EagleSession
+from jetflow.drafters.training import TrainConfig
 from jetflow.drafters.training.examples import capture_sequences, collate
-from jetflow.drafters.training.trainer import TrainConfig, Trainer
+from jetflow.drafters.training.trainer import Trainer
 from jetflow.policies.eagle_dynamic import EagleDynamic
 
 from tests.conftest import make_tiny_target

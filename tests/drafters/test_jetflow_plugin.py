@@ -13,8 +13,8 @@ from jetflow.core.engine import Engine
 from jetflow.core.errors import CheckpointMismatchError, JetflowError
 from jetflow.core.tree import DraftTree
 from jetflow.drafters.jetflow.plugin import BlockHeadParams, JetFlowDrafter, PerDepthSession
+from jetflow.drafters.training.evaluation import accepted_lengths
 from jetflow.drafters.training.examples import capture_sequences, collate
-from jetflow.drafters.training.trainer import accepted_lengths
 
 from tests.core.test_adaptive import calibration_record
 
@@ -175,7 +175,7 @@ def test_the_trainers_chain_metric_is_what_the_engine_accepts(tiny_llama, traine
         batch = collate(store.records, [roots], torch.float32)
         with torch.no_grad():
             preds = head.training_predictions(batch, trainer.shared)
-        lengths = accepted_lengths(preds, trainer.top1_hits(batch, preds), head.max_depth)
+        lengths = accepted_lengths(preds, trainer.objective.top1_hits(batch, preds), head.max_depth)
         assert lengths[:-1].tolist() == accepted[:-1]  # the last step is cut by max_new_tokens
         total += sum(accepted)
     assert total > 0

@@ -14,8 +14,9 @@ from jetflow.drafters.block_head import BlockHead, BlockHeadConfig
 from jetflow.drafters.blocks import FrozenTargetParts
 from jetflow.drafters.checkpoint import CheckpointInfo, save_checkpoint, target_record
 from jetflow.drafters.jetflow import plugin
+from jetflow.drafters.training import TrainConfig
 from jetflow.drafters.training.examples import InMemoryStore, capture_sequences
-from jetflow.drafters.training.trainer import TrainConfig, Trainer
+from jetflow.drafters.training.trainer import Trainer
 
 LAYERS = (1, 2, 3)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
 from jetflow.drafters.checkpoint import load_checkpoint, read_checkpoint
-from jetflow.drafters.training.trainer import OptimConfig, TrainConfig, lr_factor
+from jetflow.drafters.training import TrainConfig
+from jetflow.drafters.training.optim import OptimConfig, lr_factor
 
 from tests.drafters.tiny_heads import quick_trainer, regenerated_store, tiny_head
 

@@ -11,6 +11,8 @@ from jetflow.cli import train as train_cli
 from jetflow.core.target import Target
 from jetflow.drafters.checkpoint import load_checkpoint
 from jetflow.drafters.jetflow.plugin import JetFlowDrafter
+from jetflow.drafters.training import TrainConfig
+from jetflow.drafters.training import run as training_run
 
 from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
 
@@ -19,7 +21,7 @@ from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
 def tiny_world(tiny_llama, monkeypatch):
     """`Target.load` gives the tiny target and the feature cache is the in-memory miniature corpus."""
     monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: tiny_llama))
-    monkeypatch.setattr(train_cli, "_open_store", lambda *a, **k: regenerated_store(tiny_llama))
+    monkeypatch.setattr(training_run, "open_store", lambda *a, **k: regenerated_store(tiny_llama))
     with jetflow_registered():
         yield
 
@@ -63,15 +65,11 @@ def test_a_drafter_without_a_head_cannot_be_trained(tiny_world, tmp_path, capsys
 
 
 def test_the_shipped_recipe_is_a_valid_config() -> None:
-    from jetflow.drafters.training.trainer import TrainConfig
-
     config = TrainConfig.from_toml(JetFlowDrafter.default_train_config())
     assert config.drafter == "jetflow" and config.loss.kind == "sft"
 
 
 def test_a_recipe_naming_one_corpus_reads_as_a_list_of_one(tmp_path) -> None:
-    from jetflow.drafters.training.trainer import TrainConfig
-
     recipe = tmp_path / "train.toml"
     recipe.write_text('corpus = "corpora/one"\n')
     assert TrainConfig.from_toml(recipe).corpus == ["corpora/one"]

@@ -1,0 +1,93 @@
+"""Training as a library call: ``train(config) -> TrainResult``, everything ``jetflow train`` does.
+
+It loads the target, makes the drafter's head (fresh; the trainer resumes or warm-starts it
+as the config says), opens the feature caches of the corpora, joins the data-parallel group
+``torchrun`` describes (if any), trains, ships the final head and summarises the held-out
+curve beside it. Under ``torchrun`` every process calls it; only the first evaluates and writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import cast
+
+from jetflow.core.errors import ConfigError
+from jetflow.core.precision import resolve_dtype
+from jetflow.core.registry import default_registry
+from jetflow.core.target import Target
+from jetflow.drafters.blocks import FrozenTargetParts
+from jetflow.drafters.checkpoint import CheckpointInfo, target_record
+from jetflow.drafters.learned import LearnedDrafter
+from jetflow.drafters.training.config import TrainConfig
+from jetflow.drafters.training.contracts import TrainableHead
+from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
+from jetflow.drafters.training.distributed import DataParallel
+from jetflow.drafters.training.stores import open_store, resolve_corpora
+from jetflow.drafters.training.trainer import Trainer, TrainResult
+
+log = logging.getLogger(__name__)
+
+
+def learned_drafter(name: str) -> type[LearnedDrafter]:
+    """The drafter plugin called ``name``, which must have a trainable head."""
+    drafter_cls = default_registry().get("drafter", name)
+    if not issubclass(drafter_cls, LearnedDrafter):
+        raise ConfigError(f"drafter {name!r} has no trainable head")
+    return drafter_cls
+
+
+def shipped_recipe(drafter: str) -> Path:
+    """The training recipe the drafter ships beside its module."""
+    path = learned_drafter(drafter).default_train_config()
+    if not path.is_file():
+        raise ConfigError(f"drafter {drafter!r} ships no train config: pass --config FILE")
+    return path
+
+
+def new_head(drafter_cls: type[LearnedDrafter], target: Target, options: dict) -> TrainableHead:
+    """A fresh head of ``drafter_cls`` for ``target``, as the trainer sees it.
+
+    ``LearnedDrafter.new_head`` declares a plain module (inference needs no training hook);
+    every learned head implements :class:`TrainableHead`, which the trainer's tests check.
+    """
+    return cast(TrainableHead, drafter_cls.new_head(target, options))
+
+
+def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train the head of ``config.drafter`` as ``config`` says; its final head lands in ``config.out``.
+
+    ``resume``: continue from the last checkpoint in ``config.out`` where there is one.
+    The result of the main process carries the held-out curve's convergence (and
+    ``learning_curve.png`` is written beside the log); other processes' results do not.
+    """
+    drafter_cls = learned_drafter(config.drafter)
+    target = Target.load(config.target, dtype=resolve_dtype("float32"))
+    head = new_head(drafter_cls, target, config.head)
+    layers = tuple(head.config.feature_layers)
+    corpora, eval_corpus = resolve_corpora(config)
+    config = config.model_copy(update={"corpus": corpora, "eval_corpus": eval_corpus})  # the data it saw
+    store = open_store(corpora, config.features, layers, target, limit=config.max_sequences)
+    eval_store = open_store([eval_corpus], None, layers, target, purpose="eval") if eval_corpus else None
+    info = CheckpointInfo(
+        drafter=config.drafter,
+        architecture=head.config.model_dump(mode="json"),
+        target=target_record(target, layers),
+    )
+    parallel = DataParallel.from_env(target.device)  # under torchrun: one process of several
+    try:
+        shared = FrozenTargetParts.from_target(target)
+        trainer = Trainer(
+            config, head, shared, store, info, progress=progress, parallel=parallel, eval_store=eval_store
+        )
+        result = trainer.fit(resume=resume, target=target)
+    finally:
+        parallel.close()
+    if not parallel.is_main:
+        return replace(result, main_process=False)
+    points = read_curve(trainer.out)
+    settled = convergence(points)
+    plot_curve(points, trainer.out / CURVE_PLOT, settled)
+    log.info("converged at step %d of %d", settled.step, settled.final_step)
+    return replace(result, convergence=settled)
