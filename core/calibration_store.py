@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 from pathlib import Path
 from typing import Literal
 
+from jetflow.core.atomic import atomic_path
+from jetflow.core.cache_root import cache_root
 from jetflow.core.calibration_record import SCHEMA_VERSION, Calibration, CalibrationKey
 from jetflow.core.config import DEFAULT_BUDGET
 from jetflow.core.errors import ConfigError
-from jetflow.core.target import DEFAULT_TARGET, cache_root
+from jetflow.core.target import DEFAULT_TARGET
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,8 @@ def _read_record(path: Path, key: CalibrationKey) -> Calibration:
 def save_calibration(calibration: Calibration) -> Path:
     """Write atomically, so a concurrent reader sees the old file or the new one, never half."""
     path = calibration_path(calibration.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    staging.write_text(calibration.model_dump_json(indent=1), encoding="utf-8")
-    staging.replace(path)
+    with atomic_path(path) as staging:
+        staging.write_text(calibration.model_dump_json(indent=1), encoding="utf-8")
     return path
 
 

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from jetflow.core.kv_cache import SlabLayer
+from jetflow.core.cache_root import cache_root
+from jetflow.core.kv_cache import slab_layers
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
@@ -44,8 +45,6 @@ _LONGEST = 1 << 24
 
 def inductor_cache_dir() -> Path:
     """Where inductor keeps compiled graphs and autotuning results: under jetflow's cache."""
-    from jetflow.core.target import cache_root
-
     return cache_root() / "inductor"
 
 
@@ -158,7 +157,9 @@ class CompiledForward:
         rows = self.bucket(n)
         if rows is None:
             raise ValueError(f"no bucket holds {n} rows (largest {self.buckets[-1]})")
-        layers: list[SlabLayer] = cache.layers
+        layers = slab_layers(cache)
+        if layers is None:
+            raise ValueError("the compiled forward writes into a slab cache (kv_cache.slab_cache)")
         history = layers[0].length
         length = history + rows
         pad = rows - n

@@ -141,4 +141,10 @@ def supports_slab(cache: DynamicCache) -> bool:
 
 
 def is_slab(cache: DynamicCache) -> bool:
-    return bool(cache.layers) and all(isinstance(layer, SlabLayer) for layer in cache.layers)
+    return slab_layers(cache) is not None
+
+
+def slab_layers(cache: DynamicCache) -> list[SlabLayer] | None:
+    """``cache``'s layers, typed as slabs, when every one is a :class:`SlabLayer`; None otherwise."""
+    slabs = [layer for layer in cache.layers if isinstance(layer, SlabLayer)]
+    return slabs if slabs and len(slabs) == len(cache.layers) else None

@@ -7,6 +7,9 @@ the engine on it must decode what plain greedy decoding does.
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import pytest
 import torch
 from jetflow.core.compiled import CompiledForward
@@ -130,3 +133,13 @@ def test_compiling_is_the_default_where_the_calibration_shows_it_pays(
     assert (target.compiled is not None) == compiles
     calibrated = compiled_ms if compiles else eager_ms  # the budget comes from the path's own
     assert (engine.budget_source != "default") == (calibrated is not None)
+
+
+def test_imports_point_one_way_from_the_target_to_the_compiled_forward() -> None:
+    """core/target.py uses the compiled forward; core/compiled.py never imports the target back."""
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse(inspect.getsource(inspect.getmodule(CompiledForward))))
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert "jetflow.core.target" not in imported
