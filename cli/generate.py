@@ -15,6 +15,7 @@ from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config, load_t
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
+from jetflow.core.prompt import check_text
 from jetflow.core.registry import default_registry
 from jetflow.core.result import GenerationResult
 from jetflow.core.target import Target
@@ -111,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ConfigError("the prompt is empty")
+    check_text(args.prompt, "--prompt")  # argv bytes that are not UTF-8 arrive as lone surrogates
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")

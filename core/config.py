@@ -11,10 +11,19 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
+from jetflow.core.contracts import Plugin
 from jetflow.core.errors import ConfigError, PluginNotFoundError
 from jetflow.core.precision import DtypeName
 from jetflow.core.registry import Registry, default_registry
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     from jetflow.core.target import Target
@@ -98,6 +107,14 @@ class GenerateConfig(_Frozen):
         "`jetflow calibrate --compile` predicts more tokens/s than the eager one",
     )
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        """An empty stop string occurs in every text, so it would end each answer at its first token."""
+        if "" in stop:
+            raise ValueError("a stop string cannot be empty (it would end every answer at once)")
+        return stop
+
     @model_validator(mode="after")
     def _check_plugins(self) -> GenerateConfig:
         registry = default_registry()
@@ -133,7 +150,7 @@ class GenerateConfig(_Frozen):
         return self.model_copy(update={"drafter": FALLBACK_DRAFTER})
 
 
-def _validate_params(plugin_cls: type, params: dict[str, Any], field: str) -> BaseModel:
+def _validate_params(plugin_cls: type[Plugin], params: dict[str, Any], field: str) -> BaseModel:
     try:
         return plugin_cls.Params.model_validate(params)
     except ValidationError as error:
@@ -141,9 +158,11 @@ def _validate_params(plugin_cls: type, params: dict[str, Any], field: str) -> Ba
 
 
 def _first_problem(error: ValidationError) -> str:
+    """``field: message`` of the first problem, without pydantic's "Value error, " prefix."""
     problem = error.errors()[0]
     where = ".".join(str(part) for part in problem["loc"])
-    return f"{where}: {problem['msg']}" if where else problem["msg"]
+    message = problem["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,12 +28,11 @@ from jetflow.core.contracts import (
 )
 from jetflow.core.errors import ConfigError, TargetError
 from jetflow.core.precision import resolve_dtype
+from jetflow.core.prompt import Prompt, check_messages, check_text, check_token_ids, prompt_items
 from jetflow.core.registry import Registry, default_registry
 from jetflow.core.result import FinishReason, GenerationResult, StepRecord
 from jetflow.core.target import Target
 from jetflow.core.tree import DraftTree
-
-Prompt = str | list[dict[str, str]] | Sequence[int]
 
 
 class Engine:
@@ -116,15 +115,23 @@ class Engine:
         return f"{self.config.drafter}:{self.policy.name}" if self.drafter else "ar"
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str | list) and not prompt:
-            raise ConfigError("the prompt is empty")
-        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], dict)):
-            return self.target.encode_prompt(prompt, chat=self.config.chat_template)
-        return [int(token) for token in prompt]
+        """The token ids of ``prompt``: text, chat messages or token ids, each checked first
+        (:mod:`jetflow.core.prompt`: ConfigError for a bad value, TypeError for another type)."""
+        if isinstance(prompt, str):
+            return self.target.encode_prompt(check_text(prompt), chat=self.config.chat_template)
+        items = prompt_items(prompt)
+        if isinstance(items[0], Mapping):
+            return self.target.encode_prompt(check_messages(items))
+        return check_token_ids(items, self.target.vocab_size)
 
     def generate(self, prompt: Prompt, max_new_tokens: int | None = None) -> GenerationResult:
-        """Decode ``prompt`` (text, chat messages or token ids) until a stop condition."""
-        limit = max_new_tokens or self.config.max_new_tokens
+        """Decode ``prompt`` (text, chat messages or token ids) until a stop condition.
+
+        ``max_new_tokens`` (>= 1) overrides the config's for this call.
+        """
+        limit = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         ids = self.prompt_ids(prompt)
         context_needed = len(ids) + limit + self.largest_budget + 1
         if context_needed > self.target.context_length:
@@ -136,27 +143,26 @@ class Engine:
         device = self.target.device  # every tensor of the loop lives there, the generator too
         generator = torch.Generator(device).manual_seed(self.config.seed)
         self.policy.reset(generator)  # one seeded generator per run: sampled trees and acceptance
-        layers = self.drafter.feature_layers if self.drafting else ()
-        if self.drafting:
-            self.drafter.reset()
+        drafter = self.drafter if self.drafting else None  # None: each step verifies the root alone
+        layers = drafter.feature_layers if drafter is not None else ()
+        if drafter is not None:
+            drafter.reset()
 
         start = time.perf_counter()
         tokens = torch.tensor(ids, dtype=torch.long, device=device)
         cache, features = self.target.prefill(tokens[:-1], layers, capacity=context_needed)
-        if self.drafting:
-            self.drafter.prefill(features)
+        if drafter is not None:
+            drafter.prefill(features)
         prefill_s = time.perf_counter() - start
         new: list[int] = []
         steps: list[StepRecord] = []
         finish: FinishReason | None = None
         while finish is None:
             budget = self.adaptive.next_budget() if self.adaptive else self.largest_budget
-            asked = self.drafting and budget > 0
             t0 = time.perf_counter()
-            if asked:
-                tree, forwards, nested = self._draft(
-                    self.drafter.context(tokens, cache.get_seq_length()), budget
-                )
+            if drafter is not None and budget > 0:
+                context = drafter.context(tokens, cache.get_seq_length())
+                tree, forwards, nested = self._draft(drafter, context, budget)
             else:
                 tree, forwards, nested = DraftTree.root(tokens[-1]), 0, True
             t1 = time.perf_counter()
@@ -164,8 +170,8 @@ class Engine:
             out = self.target.verify(cache, tree, layers)
             decision = self.verifier.accept(tree, out.logits, generator)
             self.target.commit(cache, n_cached, decision.path)
-            if self.drafting:  # after a step at budget 0 too: the next context carries both
-                self.drafter.commit(out.features, decision.path)
+            if drafter is not None:  # after a step at budget 0 too: the next context carries both
+                drafter.commit(out.features, decision.path)
             t2 = time.perf_counter()
 
             if self.adaptive:
@@ -195,7 +201,7 @@ class Engine:
             return self.budget
         return Counter(step.budget for step in steps).most_common(1)[0][0]
 
-    def _draft(self, context: DraftContext, budget: int) -> tuple[DraftTree, int, bool]:
+    def _draft(self, drafter: Drafter, context: DraftContext, budget: int) -> tuple[DraftTree, int, bool]:
         """This step's tree, the drafter forwards it cost, and whether the tree is nested.
 
         Nested (:attr:`TreePolicy.nested`): its ``b`` best nodes are the tree of budget ``b``.
@@ -205,14 +211,15 @@ class Engine:
         """
         root = DraftTree.root(context.tokens[-1])
         shape = replace(self.shape, budget=budget)
-        session = self.drafter.begin(context)
+        session = drafter.begin(context)
         tree = self.policy.build(session, root, shape)
-        refined = isinstance(session, RefinableSession)
-        if refined:
+        nested = self.policy.nested
+        if isinstance(session, RefinableSession):
             session = session.refine(tree)
             tree = self.policy.build(session, root, shape)
+            nested = False
         forwards = session.forwards if isinstance(session, CountedSession) else 0
-        return tree, forwards, self.policy.nested and not refined
+        return tree, forwards, nested
 
     def _truncate(
         self, done: list[int], emitted: list[int], limit: int

@@ -22,7 +22,14 @@ class PluginNotFoundError(ConfigError):
     def __init__(self, kind: str, name: str, known: list[str]) -> None:
         self.kind, self.name, self.known = kind, name, known
         listing = ", ".join(known) if known else "none installed"
-        super().__init__(f"unknown {kind} {name!r}; known {kind}s: {listing}")
+        super().__init__(f"unknown {kind} {name!r}; known {_plural(kind)}: {listing}")
+
+
+def _plural(noun: str) -> str:
+    """The plural of a kind's label (``tree policy`` -> ``tree policies``), for messages."""
+    if noun.endswith("y") and noun[-2:-1] not in ("", *"aeiou"):
+        return noun[:-1] + "ies"
+    return noun + "s"
 
 
 class CheckpointMismatchError(JetflowError):

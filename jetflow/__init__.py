@@ -14,7 +14,8 @@ __all__ = ["Engine", "GenerateConfig", "GenerationResult", "__version__", "gener
 
 if TYPE_CHECKING:
     from jetflow.core.config import GenerateConfig
-    from jetflow.core.engine import Engine, Prompt
+    from jetflow.core.engine import Engine
+    from jetflow.core.prompt import Prompt
     from jetflow.core.result import GenerationResult
 
 _LAZY = {

@@ -35,6 +35,8 @@ def test_plugins_json_lists_every_kind_with_its_distribution(capsys) -> None:
         (["--budget", "-2"], "tree.budget"),
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--config", "/nonexistent/run.toml"], "config file not found"),
+        (["--stop", ""], "a stop string cannot be empty"),
+        (["--target", "./no/such/model"], "target './no/such/model': no such folder or file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], message: str) -> None:
@@ -48,6 +50,17 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], message: str)
 def test_empty_prompt_is_refused(capsys) -> None:
     code, _, err = _run(capsys, "generate", "--prompt", "   ")
     assert code == 2 and "prompt is empty" in err
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line(capsys) -> None:
+    """Python hands such argv bytes over as lone surrogates (``surrogateescape``)."""
+    prompt = b"hi \xff there".decode("utf-8", "surrogateescape")
+    code, out, err = _run(capsys, "generate", "--prompt", prompt)
+    assert (code, out) == (2, "")
+    assert err == (
+        "jetflow: error: --prompt is not valid text: character 3 is '\\udcff', a lone surrogate "
+        "(text decoded from bytes that are not UTF-8?)\n"
+    )
 
 
 def test_missing_default_target_package_says_what_to_install(capsys, monkeypatch, tmp_path) -> None:

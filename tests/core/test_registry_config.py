@@ -25,7 +25,7 @@ def test_builtins_and_the_ngram_plugin_come_from_their_distributions() -> None:
 def test_unknown_names_list_the_known_ones() -> None:
     with pytest.raises(PluginNotFoundError, match=r"unknown drafter 'nope'; known drafters: .*ngram.*none"):
         build_config(GenerateConfig, {"drafter": "nope"})
-    with pytest.raises(PluginNotFoundError, match=r"known tree policys?: .*best-first.*chain"):
+    with pytest.raises(PluginNotFoundError, match=r"known tree policies: .*best-first.*chain"):
         build_config(GenerateConfig, {"tree": {"policy": "zigzag"}})
     with pytest.raises(PluginNotFoundError, match=r"known verifiers: .*greedy"):
         build_config(GenerateConfig, {"verifier": "maybe"})
@@ -46,6 +46,13 @@ def test_unknown_names_list_the_known_ones() -> None:
 def test_invalid_values_name_the_field(fields: dict, field_name: str) -> None:
     with pytest.raises(ConfigError, match=field_name.replace(".", r"\.")):
         build_config(GenerateConfig, fields)
+
+
+@pytest.mark.parametrize("stop", [[""], ["###", ""]])
+def test_an_empty_stop_string_is_refused(stop: list[str]) -> None:
+    """It occurs in every text, so it would cut every answer after its first token."""
+    with pytest.raises(ConfigError, match="invalid config: stop: a stop string cannot be empty"):
+        build_config(GenerateConfig, {"stop": stop})
 
 
 def test_toml_file_with_cli_overrides(tmp_path) -> None:
