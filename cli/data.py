@@ -285,6 +285,7 @@ def _stats(args: argparse.Namespace) -> int:
         for key, value in part.items():
             print(f"  {key:<18} {value}")
         print(f"  {'response tok/s':<18} {timing.get('response_tokens_per_s', 0)}")
-    for key in ("n_conversations", "n_sequences", "n_response_tokens"):
-        print(f"{key:<20} {stats[key]}")
+    print(f"{'n_conversations':<20} {stats['n_conversations']}")
+    print(f"{'n_sequences':<20} {stats['n_sequences']}")
+    print(f"{'n_response_tokens':<20} {stats['n_response_tokens']}")
     return 0

@@ -30,6 +30,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jetflow.core.atomic import atomic_path
 from jetflow.core.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ FILE_PREFIX = "file:"
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
 _CACHE_VERSION = "1"  # bump when the cached columns or the recovery rules change
+#: beside a cached set's arrow files: what its parse dropped, by reason
+REPORT_FILE = "jetflow_report.json"
 # (import name, pip name, path inside the package); pip hints follow REFERENCE.md section 3.
 _SOURCES: dict[str, tuple[str, str, str]] = {
     "champ": ("champ_dataset", "champ-dataset", "dataset_files/v0.json"),
@@ -66,6 +69,13 @@ _SOURCES: dict[str, tuple[str, str, str]] = {
 }
 _READ_ERRORS = (OSError, EOFError, ValueError, zlib.error)  # ValueError covers JSON/Unicode
 _WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON whitespace; a match never copies the text
+
+
+def _skip_whitespace(text: str, pos: int) -> int:
+    """The first position at or after ``pos`` that is not JSON whitespace (the pattern matches
+    the empty string, so it always matches)."""
+    match = _WHITESPACE.match(text, pos)
+    return match.end() if match else pos
 
 
 @dataclass(frozen=True)
@@ -172,7 +182,7 @@ def _cached_rows(
         raise DataError(f"{path}: cannot read data file ({exc})") from exc
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_VERSION}"
     target = cache_dir() / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    report_file = target / "jetflow_report.json"
+    report_file = target / REPORT_FILE
     with _quiet_datasets():
         if report_file.is_file():
             try:
@@ -187,14 +197,12 @@ def _cached_rows(
             {"id": datasets.Value("string"), "turns": datasets.List(datasets.Value("string"))}
         )
         ds = datasets.Dataset.from_dict(columns, features=features)
-        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
         try:
-            ds.save_to_disk(str(tmp))
-            (tmp / "jetflow_report.json").write_text(json.dumps(dict(dropped)))
-            os.replace(tmp, target)
-        except OSError as exc:  # a read-only or racing cache only costs a re-parse next time
+            with atomic_path(target) as staging:
+                ds.save_to_disk(str(staging))
+                (staging / REPORT_FILE).write_text(json.dumps(dict(dropped)))
+        except OSError as exc:  # a read-only cache only costs a re-parse next time
             logger.warning("could not cache %s in %s (%s)", kind, target, exc)
-            shutil.rmtree(tmp, ignore_errors=True)
     return ds, LoadReport(path, len(ds), sum(dropped.values()), dict(dropped))
 
 
@@ -224,7 +232,7 @@ def _recover_sharegpt(path: Path) -> tuple[dict[str, list], Counter[str]]:
         text = path.read_text(encoding="utf-8-sig")
     except _READ_ERRORS as exc:
         raise DataError(f"{path}: cannot read ShareGPT file ({exc})") from exc
-    start = _WHITESPACE.match(text).end()
+    start = _skip_whitespace(text, 0)
     if text[start : start + 1] != "[":
         raise DataError(f"{path}: not a JSON array of ShareGPT conversations")
     decoder, pos, end = json.JSONDecoder(), start + 1, len(text)
@@ -232,7 +240,7 @@ def _recover_sharegpt(path: Path) -> tuple[dict[str, list], Counter[str]]:
     turns: list[list[str]] = []
     dropped: Counter[str] = Counter()
     while True:
-        pos = _WHITESPACE.match(text, pos).end()
+        pos = _skip_whitespace(text, pos)
         if pos >= end:
             logger.warning("%s: the array is never closed (file truncated)", path.name)
             break
@@ -250,7 +258,7 @@ def _recover_sharegpt(path: Path) -> tuple[dict[str, list], Counter[str]]:
             turns.append(human)
         else:
             dropped["no id or no non-empty human turn"] += 1
-        pos = _WHITESPACE.match(text, pos).end()
+        pos = _skip_whitespace(text, pos)
         if text[pos : pos + 1] == ",":
             pos += 1
     return {"id": ids, "turns": turns}, dropped

@@ -16,11 +16,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
+from jetflow.core.atomic import atomic_path, remove_staging_files, write_json_atomic
 from jetflow.core.errors import DataError
 from jetflow.core.target import DEFAULT_TARGET_NAME
-from jetflow.drafters.training.atomic import atomic_path, remove_staging_files, write_json_atomic
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -226,32 +227,52 @@ class Corpus:
         shard = self.shards[s]
         return shard.sequence(j), int(shard.prompt_lengths[j])
 
-    def stats(self) -> dict[str, object]:
-        """The summary ``jetflow data stats --json`` prints."""
+    def stats(self) -> CorpusStats:
+        """This corpus's part of what ``jetflow data stats --json`` prints."""
         return {
-            "source": self.manifest["source"],
-            "target": self.manifest["target"]["name"],
+            "source": str(self.manifest["source"]),
+            "target": str(self.manifest["target"]["name"]),
             "n_conversations": len(self),
             "n_response_tokens": int(self.manifest["counts"]["n_response_tokens"]),
+            "corpus": self.name,
         }
 
 
-def combined_stats(corpora: Sequence[Corpus]) -> dict[str, object]:
+class CorpusStats(TypedDict):
+    """One corpus in ``jetflow data stats``: where it comes from and how big it is."""
+
+    source: str
+    target: str
+    n_conversations: int
+    n_response_tokens: int
+    corpus: str
+
+
+class CombinedStats(TypedDict):
+    """The corpora a trainer reads together, in ``jetflow data stats``."""
+
+    source: str
+    target: str
+    n_conversations: int
+    n_sequences: int
+    n_response_tokens: int
+    corpora: list[CorpusStats]
+
+
+def combined_stats(corpora: Sequence[Corpus]) -> CombinedStats:
     """What ``jetflow data stats --json`` prints for the corpora a trainer reads together.
 
     ``n_conversations`` counts distinct conversations (a second turn belongs to the
     conversation of its first), ``n_sequences`` every trained sequence, and
     ``n_response_tokens`` the response tokens of them all; ``corpora`` has each one's stats.
     """
-    parts = [corpus.stats() | {"corpus": corpus.name} for corpus in corpora]
-    sources = list(dict.fromkeys(str(part["source"]) for part in parts))
-    targets = list(dict.fromkeys(str(part["target"]) for part in parts))
+    parts = [corpus.stats() for corpus in corpora]
     return {
-        "source": "+".join(sources),
-        "target": "+".join(targets),
+        "source": "+".join(dict.fromkeys(part["source"] for part in parts)),
+        "target": "+".join(dict.fromkeys(part["target"] for part in parts)),
         "n_conversations": len({i for corpus in corpora for i in corpus.ids}),
         "n_sequences": sum(len(corpus) for corpus in corpora),
-        "n_response_tokens": sum(int(part["n_response_tokens"]) for part in parts),
+        "n_response_tokens": sum(part["n_response_tokens"] for part in parts),
         "corpora": parts,
     }
 

@@ -20,14 +20,15 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from filelock import FileLock
+from jetflow.core.atomic import atomic_path, remove_staging_files, write_json_atomic
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target, cache_root
-from jetflow.drafters.training.atomic import atomic_path, remove_staging_files, write_json_atomic
 from jetflow.drafters.training.corpus import Corpus
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
@@ -124,7 +125,7 @@ class FeatureWriter:
         self.folder = Path(folder)
         self.layers = tuple(layers)
         self.computed_in = computed_in
-        self.manifest = {
+        self.manifest: dict[str, Any] = {
             "format": FEATURES_FORMAT,
             "corpus": corpus_name,
             "target": target,
@@ -224,7 +225,10 @@ class FeatureStore:
         self.hidden_size = int(manifest["hidden_size"])
         described = ("source", "target", "settings", "counts", "regeneration")
         #: What the data is, small enough to copy into a checkpoint (no id list).
-        self.manifest = {"corpus": corpus.name, **{k: corpus.manifest.get(k) for k in described}}
+        self.manifest: dict[str, Any] = {
+            "corpus": corpus.name,
+            **{k: corpus.manifest.get(k) for k in described},
+        }
         self.manifest["feature_layers"] = list(self.layers)
         stale = _stale_shards(manifest, corpus, n_shards)
         if stale:
@@ -307,7 +311,8 @@ def _find_cache(corpus_name: str, layers: tuple[int, ...]) -> Path:
 def batches_by_length(lengths: Tensor, token_budget: int) -> list[Tensor]:
     """Indices grouped (longest first) so that ``batch size x longest length <= token_budget``."""
     order = torch.argsort(lengths, descending=True, stable=True)
-    batches, current = [], []
+    batches: list[Tensor] = []
+    current: list[int] = []
     for index in order.tolist():
         if current and (len(current) + 1) * int(lengths[current[0]]) > token_budget:
             batches.append(torch.tensor(current))
@@ -333,6 +338,8 @@ def teacher_forced_states(
     for batch in batches_by_length(lengths, token_budget):
         ids = pad_sequence([sequences[i].long() for i in batch.tolist()], batch_first=True)
         feats, final = decoder_states(model, ids.to(model.device), layers)
+        if feats is None:
+            raise ConfigError("teacher forcing captures features: name at least one layer")
         keep = torch.arange(ids.shape[1]) < (lengths[batch] - 1)[:, None]  # [b, width]
         rows = (lengths[batch] - 1).tolist()
         feats = feats[keep.to(feats.device)].to("cpu", FEATURE_DTYPE).split(rows)

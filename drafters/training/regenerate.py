@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from jetflow.core.errors import DataError
-from jetflow.core.kv_cache import slab_cache
+from jetflow.core.kv_cache import SlabLayer, slab_cache, slab_layers
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
 from jetflow.data.prompt_sets import Sample, prompt_key
@@ -35,6 +35,7 @@ from jetflow.drafters.training.features import (
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,12 @@ class Generation:
     features: Tensor | None = None
     final: Tensor | None = None
 
+    def captured(self) -> tuple[Tensor, Tensor]:
+        """``(features, final)``, which a generation with layers to capture has."""
+        if self.features is None or self.final is None:
+            raise RuntimeError("the generation captured no states (no feature layers asked for)")
+        return self.features, self.final
+
 
 @dataclass
 class _Prefill:
@@ -127,13 +134,13 @@ class _Prefill:
 
 def _prefill(
     model: PreTrainedModel,
-    cache: DynamicCache,
+    slabs: list[SlabLayer],
     prompts: Sequence[Tensor],
     layers: tuple[int, ...],
     capture: bool,
     budget: int,
 ) -> _Prefill:
-    """Run the prompts in groups of similar length and place their KV right-aligned in ``cache``.
+    """Run the prompts in groups of similar length and place their KV right-aligned in the cache's ``slabs``.
 
     Grouping keeps a 380-token prompt from padding thirty 40-token ones; the slab then
     holds every row left-padded to the longest prompt, exactly as one padded forward would.
@@ -159,20 +166,20 @@ def _prefill(
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(model.device),
             cache=group_cache,
         )
-        for layer, source in zip(cache.layers, group_cache.layers, strict=True):
-            layer.write(rows.to(model.device), width - group_width, source.keys, source.values)
+        for slab, (keys, values) in zip(slabs, _prefilled_states(group_cache), strict=True):
+            slab.write(rows.to(model.device), width - group_width, keys, values)
         first[rows.to(model.device)] = lm_head(last[:, -1]).argmax(-1)
         if capture:
             valid = mask.to(model.device)
             sizes = group.tolist()
             group_final = last[valid].to("cpu", FEATURE_DTYPE).split(sizes)
-            group_feats = [None] * len(sizes)
-            if layers:
+            group_feats: Sequence[Tensor | None] = [None] * len(sizes)
+            if feats is not None:  # there are layers to capture
                 group_feats = feats[valid].to("cpu", FEATURE_DTYPE).split(sizes)
             for position, index in enumerate(rows.tolist()):
                 features[index], final[index] = group_feats[position], group_final[position]
-    for layer in cache.layers:
-        layer.set_length(width)
+    for slab in slabs:
+        slab.set_length(width)
     return _Prefill(first, features, final)
 
 
@@ -198,7 +205,10 @@ def greedy_generate(
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     batch, width = len(prompts), int(lengths.max())
     cache = slab_cache(model, batch, width + max_new_tokens)
-    prefill = _prefill(model, cache, prompts, layers, capture, prefill_tokens)
+    slabs = slab_layers(cache)
+    if slabs is None:
+        raise RuntimeError("slab_cache made a cache whose layers are not all slabs")
+    prefill = _prefill(model, slabs, prompts, layers, capture, prefill_tokens)
     lm_head = model.get_output_embeddings()
     hidden = model.config.hidden_size
     steps = max(max_new_tokens - 1, 0)
@@ -224,8 +234,8 @@ def greedy_generate(
                 t[keep] for t in (rows, alive, next_token, attention, position)
             )
             drop_front = int((attention == 0).sum(1).min())  # left padding no kept row needs
-            for layer in cache.layers:
-                layer.compact(keep, drop_front)
+            for slab in slabs:
+                slab.compact(keep, drop_front)
             attention = attention[:, drop_front:]
         attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
         position = position + 1
@@ -237,9 +247,9 @@ def greedy_generate(
             position_ids=position[:, None],
             cache=cache,
         )
-        if capture:
+        if step_final is not None:  # capturing
             recorded = rows[alive].cpu()
-            if layers:
+            if step_feats is not None and feats is not None:
                 step_feats[recorded, step] = feats[alive, 0].to("cpu", FEATURE_DTYPE)
             step_final[recorded, step] = final[alive, 0].to("cpu", FEATURE_DTYPE)
         next_token = lm_head(final[:, 0]).argmax(-1)
@@ -247,10 +257,11 @@ def greedy_generate(
     results = []
     for row, count in enumerate(n_generated.tolist()):
         generation = Generation(tokens[row, :count].cpu())
-        if capture:
-            generation.final = torch.cat([prefill.final[row], step_final[row, : count - 1]])
-            if layers:
-                generation.features = torch.cat([prefill.features[row], step_feats[row, : count - 1]])
+        prompt_final, prompt_feats = prefill.final[row], prefill.features[row]
+        if step_final is not None and prompt_final is not None:
+            generation.final = torch.cat([prompt_final, step_final[row, : count - 1]])
+        if step_feats is not None and prompt_feats is not None:
+            generation.features = torch.cat([prompt_feats, step_feats[row, : count - 1]])
         results.append(generation)
     return results
 
@@ -267,14 +278,13 @@ def generate_chunk(
     """:func:`greedy_generate` over batches of similar prompt length; results in input order."""
     eos_ids = tuple(eos_ids)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    results: list[Generation | None] = [None] * len(prompts)
+    results: dict[int, Generation] = {}
     for start in range(0, len(order), batch_size):
         indices = order[start : start + batch_size]
         batch = [prompts[i] for i in indices]
-        batch = greedy_generate(model, batch, max_new_tokens, eos_ids, layers, prefill_tokens)
-        for index, generation in zip(indices, batch, strict=True):
-            results[index] = generation
-    return results
+        generations = greedy_generate(model, batch, max_new_tokens, eos_ids, layers, prefill_tokens)
+        results.update(zip(indices, generations, strict=True))
+    return [results[i] for i in range(len(prompts))]
 
 
 def regenerate(
@@ -354,14 +364,27 @@ def regenerate(
             sequences = [torch.cat([p, g.response]) for p, g in zip(prompt_ids, generations, strict=True)]
             shard = pack_shard([p.id for p in chunk], sequences, [len(p) for p in prompt_ids], dtype)
             if features is not None:
+                states = [g.captured() for g in generations]
                 features.write(
                     writer.n_shards,
                     tokens_digest(shard.tokens),
-                    [g.features for g in generations],
-                    [g.final for g in generations],
+                    [feats for feats, _ in states],
+                    [final for _, final in states],
                 )
             writer.append(shard, time.perf_counter() - began, time.process_time() - began_cpu)
             bar.update(len(chunk))
             rate = writer.manifest["regeneration"]["response_tokens_per_s"]
             bar.set_postfix(tok_s=f"{rate:.0f}")
     return Corpus(out)
+
+
+def _prefilled_states(cache: DynamicCache) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's ``(keys, values)`` of a prefilled cache of plain full-attention layers."""
+    states = []
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+            raise RuntimeError(
+                f"a prefill cache layer is a {type(layer).__name__}, not a filled full-attention one"
+            )
+        states.append((layer.keys, layer.values))
+    return states

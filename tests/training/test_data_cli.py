@@ -62,9 +62,9 @@ def test_the_heldout_split_makes_an_evaluation_corpus_that_training_refuses(
     tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from jetflow.cli import data as data_cli
-    from jetflow.cli import train as train_cli
     from jetflow.core.errors import ConfigError
     from jetflow.data.prompt_sets import Sample
+    from jetflow.drafters.training.stores import open_store
 
     target, _ = tiny
     # a held-out prompt equal to a benchmark text stays: the evaluation corpus is never trained on
@@ -77,10 +77,10 @@ def test_the_heldout_split_makes_an_evaluation_corpus_that_training_refuses(
     assert corpus.ids == ["0", "1"] and corpus.manifest["source"] == "sharegpt-heldout"
 
     with pytest.raises(ConfigError, match="never for training"):
-        train_cli._open_store([str(out)], None, (1, 2), target)
-    assert len(train_cli._open_store([str(out)], None, (1, 2), target, purpose="eval")) == 2
+        open_store([str(out)], None, (1, 2), target)
+    assert len(open_store([str(out)], None, (1, 2), target, purpose="eval")) == 2
     twice = [str(out), str(out)]
-    assert len(train_cli._open_store(twice, None, (1, 2), target, purpose="eval")) == 4
-    assert len(train_cli._open_store(twice, None, (1, 2), target, purpose="eval", limit=1)) == 1
+    assert len(open_store(twice, None, (1, 2), target, purpose="eval")) == 4
+    assert len(open_store(twice, None, (1, 2), target, purpose="eval", limit=1)) == 1
     assert main([*argv, "--turn", "2"]) == 2
     assert "benchmark set" in capsys.readouterr().err

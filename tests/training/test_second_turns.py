@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from jetflow.cli import train as train_cli
 from jetflow.cli.main import main
 from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
 from jetflow.drafters.training import second_turns
 from jetflow.drafters.training.corpus import Corpus, second_turn_dir, training_corpus_dirs
 from jetflow.drafters.training.features import FeatureStore
+from jetflow.drafters.training.stores import open_store
 
 from tests.training.conftest import TinyDataTarget
 
@@ -125,14 +125,14 @@ def test_the_trainer_and_stats_read_first_and_second_turns_together(
     assert _regenerate(prompts, "--n", "5", "--out", str(first), features="1,2") == 0
     assert _regenerate(prompts, "--turn", "2", "--parent", str(first), features="1,2") == 0
     second = second_turn_dir(first)
-    store = train_cli._open_store([str(first), str(second)], None, (1, 2), target)
+    store = open_store([str(first), str(second)], None, (1, 2), target)
     alone = FeatureStore(Corpus(second), (1, 2))
     assert len(store) == 5 + 3 and store.layers == (1, 2)
     for got, expected in zip(store.sequence(6), alone.sequence(1), strict=True):
         assert torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
     assert store.manifest["counts"]["n_conversations"] == 8
     with pytest.raises(ConfigError, match="one corpus"):
-        train_cli._open_store([str(first), str(second)], str(tmp_path), (1, 2), target)
+        open_store([str(first), str(second)], str(tmp_path), (1, 2), target)
 
     capsys.readouterr()
     assert main(["data", "stats", "--corpus", str(first), "--corpus", str(second), "--json"]) == 0
