@@ -20,6 +20,7 @@ from jetflow.bench.generation import Method
 from jetflow.bench.lossless import LosslessChecker
 from jetflow.bench.metrics import TurnRecord, decode_tokens_per_s, summarise, tokens_per_s
 from jetflow.bench.runner import BenchmarkRunner, apply_threads, turn_prompt_ids
+from jetflow.core.config import Budget
 from jetflow.core.precision import dtype_name, resolve_dtype
 from jetflow.core.target import Target
 from jetflow.data.prompt_sets import FILE_PREFIX, load_dataset_samples
@@ -33,7 +34,7 @@ class BenchCase:
 
     dataset: str
     method: str
-    budget: int | None = None
+    budget: Budget | None = None
 
     @property
     def id(self) -> str:
@@ -47,7 +48,7 @@ class BenchCase:
 
 def bench_cases(config: BenchConfig) -> list[BenchCase]:
     """Every case of a config, data set by data set, baselines before drafters."""
-    methods = [(AR, None), *((name, None) for name in config.baselines)]
+    methods: list[tuple[str, Budget | None]] = [(AR, None), *((name, None) for name in config.baselines)]
     methods += [(spec.method, budget) for spec in config.drafter_specs for budget in config.budgets]
     return [BenchCase(dataset, name, budget) for dataset in config.datasets for name, budget in methods]
 
