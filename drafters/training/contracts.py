@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jetflow.core.errors import ConfigError
 from jetflow.drafters.blocks import FrozenTargetParts
 from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.head_sizes import HeadSizes
@@ -77,3 +78,12 @@ class TrainableHead(Protocol):
     def eval(self) -> Any: ...
 
     def to(self, device: torch.device, /) -> Any: ...
+
+
+def check_store_layers(store: SequenceStore, head_layers: tuple[int, ...]) -> None:
+    """Refuse a store whose features come from other target layers than the head reads."""
+    layers = tuple(store.layers)
+    if layers and head_layers and layers != head_layers:
+        raise ConfigError(
+            f"the feature cache holds layers {list(layers)}, but the head reads {list(head_layers)}"
+        )

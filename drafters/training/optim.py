@@ -1,9 +1,12 @@
-"""The optimiser of a run: AdamW with linear warm-up, then a cosine or warm-stable-decay schedule."""
+"""The optimiser of a run: AdamW with linear warm-up, then a cosine or warm-stable-decay schedule,
+over steps whose matrix products may run in a lower precision."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Literal, Self
 
 import torch
@@ -75,3 +78,15 @@ def adamw(parameters: Iterable[nn.Parameter], config: OptimConfig) -> torch.opti
         lr=config.lr,
         betas=config.betas,
     )
+
+
+@contextlib.contextmanager
+def step_autocast(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Mixed precision for a training step: matrix products in ``dtype`` (fp32: no autocast).
+
+    Norms then see bf16 inputs with fp32 weights, which torch computes correctly on its
+    unfused path and warns about on every call; the warning is silenced here only.
+    """
+    with warnings.catch_warnings(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+        yield

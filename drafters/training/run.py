@@ -24,8 +24,9 @@ from jetflow.drafters.training.config import TrainConfig
 from jetflow.drafters.training.contracts import TrainableHead
 from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
 from jetflow.drafters.training.distributed import DataParallel
+from jetflow.drafters.training.result import TrainResult
 from jetflow.drafters.training.stores import open_store, resolve_corpora
-from jetflow.drafters.training.trainer import Trainer, TrainResult
+from jetflow.drafters.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A head plugs in through :class:`~jetflow.drafters.training.contracts.TrainableHe
 is shared and lives beside this loop, one job a module: the draft vocabulary
 (:mod:`.vocabulary`), the teacher and losses (:mod:`.objective`), the batches (:mod:`.batches`),
 held-out evaluation (:mod:`.evaluation`), resumable checkpoints (:mod:`.checkpoints`), the
-schedule (:mod:`.optim`) and the log (:mod:`.run_log`). Here: AdamW steps in mixed precision
+optimiser, schedule and mixed precision (:mod:`.optim`) and the log (:mod:`.run_log`). Here: AdamW steps
 with gradient clipping, data-parallel over processes, with periodic evaluation, logging and
 checkpoints, exact resume or a warm restart from a head's weights and step, and the final head.
 
@@ -17,14 +17,11 @@ Output folder::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from jetflow.core.errors import CheckpointMismatchError, ConfigError
@@ -35,36 +32,20 @@ from jetflow.drafters.checkpoint import CheckpointInfo, save_checkpoint
 from jetflow.drafters.training.batches import StepSequences, anchored_batch, split_ids
 from jetflow.drafters.training.checkpoints import ResumeState, RunCheckpoints, load_head
 from jetflow.drafters.training.config import TrainConfig
-from jetflow.drafters.training.contracts import SequenceStore, TrainableHead
+from jetflow.drafters.training.contracts import SequenceStore, TrainableHead, check_store_layers
 from jetflow.drafters.training.distributed import DataParallel
 from jetflow.drafters.training.evaluation import evaluate
 from jetflow.drafters.training.losses import position_losses
 from jetflow.drafters.training.objective import LossFn, Objective
-from jetflow.drafters.training.optim import adamw, restarted_lr_factor
+from jetflow.drafters.training.optim import adamw, restarted_lr_factor, step_autocast
+from jetflow.drafters.training.result import TrainResult
 from jetflow.drafters.training.run_log import RunLog
 from jetflow.drafters.training.vocabulary import choose_draft_vocab, recorded_vocab
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:  # the curve module draws with matplotlib, which the loop never needs
-    from jetflow.drafters.training.curve import Convergence
-
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a finished run reports (on every process; only the main one evaluates)."""
-
-    steps: int
-    wall_s: float  # this run
-    train_s: float  # every run that led here (resumes included)
-    positions_per_s: float
-    final_checkpoint: Path
-    evaluation: dict[str, Any]
-    main_process: bool = True  # the one that evaluates and writes; the others' evaluation is empty
-    convergence: Convergence | None = None  # of the held-out curve, where it was read (by ``train``)
 
 
 class Trainer:
@@ -99,7 +80,7 @@ class Trainer:
         self.out = Path(out or config.out)
         self.progress = progress
         self.loss_fn = loss_fn
-        self._check_layers()
+        check_store_layers(store, tuple(info.target.get("feature_layers", ())))
         separate_eval = self.eval_store if self.eval_store is not store else None
         self.train_ids, self.eval_ids = split_ids(
             store, separate_eval, config.holdout_sequences, config.max_sequences
@@ -131,14 +112,6 @@ class Trainer:
 
     def _lr_factor(self, optimizer_step: int) -> float:
         return restarted_lr_factor(optimizer_step, self._restart_step, self.config.optim, self.config.steps)
-
-    def _check_layers(self) -> None:
-        layers = tuple(self.store.layers)
-        wanted = tuple(self.info.target.get("feature_layers", ()))
-        if layers and wanted and layers != wanted:
-            raise ConfigError(
-                f"the feature cache holds layers {list(layers)}, but the head reads {list(wanted)}"
-            )
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -233,7 +206,7 @@ class Trainer:
         batch = anchored_batch(
             self.store, ids, cfg.anchors_per_sequence, generator, self.device, self.parallel
         )
-        with self._autocast():
+        with step_autocast(self.device, self.compute_dtype):
             preds = self.head.training_predictions(batch, self.shared)
             total, weight = self.objective.loss_terms(batch, preds)
         positions = torch.tensor(float(preds.hidden.shape[0]), device=total.device)
@@ -254,18 +227,6 @@ class Trainer:
             "lr": lr,
             "positions": int(sums[2]),
         }
-
-    @contextlib.contextmanager
-    def _autocast(self) -> Iterator[None]:
-        """Mixed precision for a training step: matrix products in ``compute_dtype``.
-
-        Norms then see bf16 inputs with fp32 weights, which torch computes correctly on its
-        unfused path and warns about on every call; the warning is silenced here only.
-        """
-        enabled = self.compute_dtype != torch.float32
-        with warnings.catch_warnings(), torch.autocast(self.device.type, self.compute_dtype, enabled=enabled):
-            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-            yield
 
     def _continue(self, resume: bool, target: Target | None) -> None:
         """Pick up where an earlier run stopped (its checkpoint, else the warm start), or start afresh."""
