@@ -33,6 +33,7 @@ from jetflow.drafters.blocks import (
     init_weights,
     register_draft_vocabulary,
 )
+from jetflow.drafters.draft_head import DraftHead
 from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.head_sizes import HeadSizes
 from pydantic import Field, model_validator
@@ -101,12 +102,14 @@ class ContextCache:
         return int(self.kv[0][0].shape[2])
 
 
-class BlockHead(nn.Module):
+class BlockHead(DraftHead[ContextCache]):
     """Fusion + decoder layers + final norm + mask embedding; owns no embedding or LM head.
 
     With ``draft_vocab_size`` it also keeps the ids of its draft vocabulary (a small integer
     buffer saved with the weights): the rows of the target's LM head it drafts over.
     """
+
+    config: BlockHeadConfig
 
     def __init__(self, config: BlockHeadConfig) -> None:
         super().__init__()

@@ -11,12 +11,12 @@ file raises :class:`DataError`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from jetflow.core.atomic import atomic_path
 from jetflow.core.errors import CheckpointMismatchError, DataError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -96,15 +96,11 @@ def save_checkpoint(
         .cpu()
         for name, t in state.items()
     }
-    _atomic_write(folder / WEIGHTS_FILE, lambda path: save_file(tensors, str(path)))
-    _atomic_write(folder / CONFIG_FILE, lambda path: path.write_text(info.to_json()))
+    with atomic_path(folder / WEIGHTS_FILE) as staging:
+        save_file(tensors, str(staging))
+    with atomic_path(folder / CONFIG_FILE) as staging:
+        staging.write_text(info.to_json())
     return folder
-
-
-def _atomic_write(path: Path, write) -> None:
-    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(staging)
-    staging.replace(path)
 
 
 def read_checkpoint(folder: str | Path) -> tuple[CheckpointInfo, dict[str, Tensor]]:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
+from jetflow.drafters.block_head import BlockHead
 from jetflow.export.compat import NotExportableError, dflash_differences
 from jetflow.export.schema import (
     DFlashConfig,
@@ -29,7 +30,6 @@ from jetflow.export.schema import (
     Verifier,
 )
 from jetflow.export.tensors import vllm_tensors
-from torch import nn
 
 #: head parameter name -> vLLM DFlash tensor name (regex, replacement)
 _NAMES: tuple[tuple[str, str], ...] = (
@@ -67,7 +67,7 @@ def choose_mask_token(target: Target, avoid: Iterable[int]) -> int:
 
 
 def export_block_head(
-    head: nn.Module,
+    head: BlockHead,
     target: Target,
     *,
     drafter: str,

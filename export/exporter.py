@@ -1,7 +1,7 @@
-"""``export_drafter``: a drafter's trained head, loaded exactly as jetflow runs it, written for vLLM.
+"""``export_drafter``: a drafter's trained head, read from its checkpoint, written for vLLM.
 
-The head is loaded through the drafter plugin (the same checkpoint lookup and target check
-as decoding), so what is exported is what jetflow measured. A block head (``jetflow``,
+The head is read through the drafter plugin's own checkpoint lookup and target check (those
+decoding uses), so what is exported is what jetflow measured. A block head (``jetflow``,
 ``dflash``) becomes a DFlash folder, an EAGLE head in the ``eagle3`` layout an Eagle3 folder;
 the shipped EAGLE head's ``jetflow`` layout is one vLLM's Eagle3 class does not share and is
 refused with the differences named.
@@ -19,6 +19,7 @@ from jetflow.core.registry import Registry, default_registry
 from jetflow.core.target import DEFAULT_TARGET, Target, embedded_default_folder
 from jetflow.drafters.block_head import BlockHead
 from jetflow.drafters.eagle.head import EagleHead
+from jetflow.drafters.learned import LearnedDrafter
 from jetflow.export.dflash import export_block_head
 from jetflow.export.eagle3 import export_eagle_head
 from jetflow.export.folder import write_export
@@ -50,24 +51,39 @@ def build_export(
     dtype: torch.dtype = torch.float32,
     registry: Registry | None = None,
 ) -> SpeculatorsExport:
-    """The export of ``drafter`` (with ``params``, e.g. ``checkpoint``) on ``target``, not yet written."""
+    """The export of ``drafter``'s head on ``target``, not yet written.
+
+    ``params`` are the drafter's (``checkpoint``: the head to export; default the one shipped
+    for ``target``). The head is read from its checkpoint as it was saved, checked against
+    ``target``; no drafter is built around it.
+    """
     registry = registry or default_registry()
     drafter_cls = registry.get("drafter", drafter)
-    instance = drafter_cls(drafter_cls.Params.model_validate(params or {}), target)
-    head = getattr(instance, "head", None)
-    checkpoint = getattr(instance, "checkpoint", None)
-    if not isinstance(head, BlockHead | EagleHead):
+    if not issubclass(drafter_cls, LearnedDrafter):
         raise ConfigError(f"drafter {drafter!r} has no trained head to export")
-    info = getattr(instance, "checkpoint_info", None)
+    checkpoint = drafter_cls.checkpoint_for(drafter_cls.Params.model_validate(params or {}), target)
+    head, info = drafter_cls.load_head(checkpoint, target)
     provenance = {
         "checkpoint": str(checkpoint),
         "target": target.name,
-        "chain_accept": (info.state or {}).get("chain_accept") if info else None,
+        "chain_accept": info.state.get("chain_accept"),
     }
-    common = {"drafter": drafter, "verifier": verifier or verifier_for(target_spec), "dtype": dtype}
+    verifier = verifier or verifier_for(target_spec)
     if isinstance(head, EagleHead):
-        return export_eagle_head(head, target, provenance=provenance, **common)
-    return export_block_head(head, target, mask_token_id=mask_token_id, provenance=provenance, **common)
+        return export_eagle_head(
+            head, target, drafter=drafter, verifier=verifier, dtype=dtype, provenance=provenance
+        )
+    if isinstance(head, BlockHead):
+        return export_block_head(
+            head,
+            target,
+            drafter=drafter,
+            verifier=verifier,
+            mask_token_id=mask_token_id,
+            dtype=dtype,
+            provenance=provenance,
+        )
+    raise ConfigError(f"drafter {drafter!r} has a {type(head).__name__}, which no vLLM format holds")
 
 
 class ExportOptions(TypedDict, total=False):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
+from jetflow.core.atomic import atomic_path
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.export.schema import (
     CONFIG_JSON,
@@ -51,23 +50,19 @@ def check_tensors(config: DFlashConfig | Eagle3Config, tensors: dict[str, Tensor
 
 
 def write_export(export: SpeculatorsExport, out: str | Path) -> Path:
-    """Write ``export`` into ``out`` atomically (an earlier export there is replaced), then check it."""
+    """Write ``export`` into ``out`` atomically, read back and checked first; an old export is replaced."""
     out = Path(out)
     if out.exists() and not (out / CONFIG_JSON).is_file():
         raise ConfigError(f"{out} exists and is not an export folder; choose a new --out")
     check_tensors(export.config, export.tensors)
-    staging = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    (staging / CONFIG_JSON).write_text(json.dumps(export.config.model_dump(mode="json"), indent=2) + "\n")
-    save_file(export.tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
-    if isinstance(export.config, DFlashConfig):
-        mask = {"mask_token_id": export.config.mask_token_id, "embedding": export.mask_embedding}
-        torch.save(mask, staging / MASK_EMBEDDING)
-    if out.exists():
-        shutil.rmtree(out)
-    staging.replace(out)
-    read_export(out)
+    with atomic_path(out) as staging:
+        staging.mkdir()
+        (staging / CONFIG_JSON).write_text(json.dumps(export.config.model_dump(mode="json"), indent=2) + "\n")
+        save_file(export.tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        if isinstance(export.config, DFlashConfig):
+            mask = {"mask_token_id": export.config.mask_token_id, "embedding": export.mask_embedding}
+            torch.save(mask, staging / MASK_EMBEDDING)
+        read_export(staging)  # read back before it replaces anything
     return out
 
 

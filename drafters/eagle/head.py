@@ -51,6 +51,7 @@ from jetflow.drafters.blocks import (
     init_weights,
     register_draft_vocabulary,
 )
+from jetflow.drafters.draft_head import DraftHead
 from jetflow.drafters.examples import ExampleBatch, Predictions
 from jetflow.drafters.head_sizes import HeadSizes, default_feature_layers
 from pydantic import Field
@@ -160,8 +161,10 @@ class EagleLayer(nn.Module):
         return x + self.mlp(self.post_norm(x))
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead[EagleCache]):
     """Fusion + entry + one decoder layer + final norm; owns no embedding or LM head."""
+
+    config: EagleHeadConfig
 
     def __init__(self, config: EagleHeadConfig) -> None:
         super().__init__()

@@ -27,22 +27,17 @@ from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
 from jetflow.drafters.blocks import DraftLMHead, FrozenTargetParts, full_vocabulary, top_proposals
 from jetflow.drafters.eagle.head import EagleCache, EagleHead, EagleHeadConfig, append_kv
-from jetflow.drafters.learned import LearnedDrafter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from jetflow.drafters.learned import LearnedDrafter, LearnedParams
+from pydantic import Field, ValidationError
 from torch import Tensor
 
 if TYPE_CHECKING:
     from jetflow.core.target import Target
 
 
-class EagleParams(BaseModel):
+class EagleParams(LearnedParams):
     """Run-time parameters of the eagle drafter."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    checkpoint: str | None = Field(
-        None, description="checkpoint folder; default: the head shipped for the target"
-    )
     max_depth: int | None = Field(
         None, ge=1, description="deepest draft level (one head forward each); None: the trained depth"
     )
@@ -144,7 +139,7 @@ class EagleSession:
         self.forwards += 1
 
 
-class EagleDrafter(LearnedDrafter):
+class EagleDrafter(LearnedDrafter[EagleCache]):
     name = "eagle"
     description = "EAGLE-3-style autoregressive head: one forward per tree level, path-conditioned"
     Params = EagleParams

@@ -20,24 +20,25 @@ from jetflow.core.contracts import DraftContext
 from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
-from jetflow.drafters.block_head import BlockHead, BlockHeadConfig, copy_target_layers, target_has_qk_norm
+from jetflow.drafters.block_head import (
+    BlockHead,
+    BlockHeadConfig,
+    ContextCache,
+    copy_target_layers,
+    target_has_qk_norm,
+)
 from jetflow.drafters.blocks import full_vocabulary, top_proposals
-from jetflow.drafters.learned import LearnedDrafter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from jetflow.drafters.learned import LearnedDrafter, LearnedParams
+from pydantic import Field, ValidationError
 from torch import Tensor
 
 if TYPE_CHECKING:
     from jetflow.core.target import Target
 
 
-class BlockHeadParams(BaseModel):
+class BlockHeadParams(LearnedParams):
     """Run-time parameters of a block-head drafter."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    checkpoint: str | None = Field(
-        None, description="checkpoint folder; default: the head shipped for the target"
-    )
     refresh: bool = Field(
         False,
         description="path-conditioned refresh: a second head pass over the built tree gives every "
@@ -159,7 +160,7 @@ class PathConditionedSession:
         return probs
 
 
-class JetFlowDrafter(LearnedDrafter):
+class JetFlowDrafter(LearnedDrafter[ContextCache]):
     name = "jetflow"
     description = "causal parallel block head: one forward drafts a distribution per depth"
     Params = BlockHeadParams

@@ -13,6 +13,7 @@ from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.registry import default_registry
 from jetflow.drafters.blocks import FrozenTargetParts
 from jetflow.drafters.checkpoint import CheckpointInfo, save_checkpoint, target_record
+from jetflow.drafters.learned import LearnedDrafter
 from jetflow.export.compat import NotExportableError, dflash_differences
 from jetflow.export.dflash import choose_mask_token
 from jetflow.export.exporter import build_export
@@ -179,6 +180,36 @@ def test_a_written_folder_reads_back_and_is_checked(exported, tmp_path) -> None:
     (folder / CONFIG_JSON).write_text(json.dumps(raw))
     with pytest.raises(DataError, match="missing"):
         read_export(folder)
+
+
+def test_a_failed_write_keeps_the_earlier_export_whole(exported, tmp_path, monkeypatch) -> None:
+    _, export = exported
+    folder = write_export(export, tmp_path / "out")
+
+    def disk_full(*args, **kwargs) -> None:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr("jetflow.export.folder.save_file", disk_full)
+    with pytest.raises(OSError, match="no space"):
+        write_export(export, folder)
+    config, _, _ = read_export(folder)
+    assert config == export.config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"], "no staging folder left"
+
+
+def test_the_head_is_read_from_its_checkpoint_without_building_a_drafter(
+    tiny_llama, tmp_path, monkeypatch
+) -> None:
+    make_checkpoint(tiny_llama, tmp_path / "ckpt")
+
+    def no_runtime_drafter(*args, **kwargs) -> None:
+        raise AssertionError("the exporter built a runtime drafter (target parts, packed weights)")
+
+    monkeypatch.setattr(LearnedDrafter, "__init__", no_runtime_drafter)
+    export = build_export("jetflow", tiny_llama, "tiny", params={"checkpoint": str(tmp_path / "ckpt")})
+    assert export.config.jetflow["checkpoint"] == str(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="no trained head to export"):
+        build_export("ngram", tiny_llama, "tiny")
 
 
 def test_a_bidirectional_export_must_draft_its_whole_block(exported) -> None:

@@ -1,0 +1,30 @@
+"""What every trained head is, whichever drafter runs it: a torch module with its sizes, its
+draft vocabulary and a per-sequence context cache.
+
+The learned drafters load heads through this type, and the exporter reads a head from a
+checkpoint through it, without a runtime drafter around the head.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Generic, TypeVar
+
+from jetflow.drafters.head_sizes import HeadSizes
+from torch import Tensor, nn
+
+#: the head's per-sequence cache of context keys and values (only the head reads it)
+CacheT = TypeVar("CacheT")
+
+
+class DraftHead(nn.Module, Generic[CacheT]):
+    """A trained head; owns no embedding or LM head (the target's are shared, frozen)."""
+
+    #: the hyper-parameters, saved as a checkpoint's ``architecture``
+    config: HeadSizes
+    #: ``[N]`` vocabulary ids of the draft vocabulary, or None: the full vocabulary
+    draft_tokens: Tensor | None
+
+    @abstractmethod
+    def empty_cache(self) -> CacheT:
+        """The context cache of a new sequence."""
