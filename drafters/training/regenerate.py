@@ -24,14 +24,8 @@ from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
 from jetflow.data.prompt_sets import Sample, prompt_key
 from jetflow.drafters.training.corpus import Corpus, CorpusWriter, pack_shard, token_dtype, tokens_digest
-from jetflow.drafters.training.features import (
-    FEATURE_DTYPE,
-    FeatureWriter,
-    batches_by_length,
-    check_layers,
-    decoder_states,
-    feature_dir,
-)
+from jetflow.drafters.training.feature_cache import FEATURE_DTYPE, FeatureWriter, feature_dir
+from jetflow.drafters.training.features import batches_by_length, check_layers, decoder_states
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel

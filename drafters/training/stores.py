@@ -13,7 +13,7 @@ from jetflow.drafters.training.config import TrainConfig
 from jetflow.drafters.training.contracts import SequenceStore
 from jetflow.drafters.training.corpus import Corpus, default_eval_corpus_dir, training_corpus_dirs
 from jetflow.drafters.training.examples import ConcatStore
-from jetflow.drafters.training.features import FeatureStore
+from jetflow.drafters.training.feature_cache import FeatureStore
 
 
 def resolve_corpora(config: TrainConfig) -> tuple[list[str], str | None]:

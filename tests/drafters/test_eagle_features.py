@@ -8,7 +8,7 @@ import pytest
 import torch
 from jetflow.core.errors import DataError
 from jetflow.drafters.training.corpus import Corpus
-from jetflow.drafters.training.features import FeatureStore, FeatureWriter, feature_dir
+from jetflow.drafters.training.feature_cache import FeatureStore, FeatureWriter, feature_dir
 
 from tests.training.test_corpus import HEADER, _write_corpus
 

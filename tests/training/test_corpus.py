@@ -17,7 +17,7 @@ from jetflow.drafters.training.corpus import (
     pack_shard,
     token_dtype,
 )
-from jetflow.drafters.training.features import FeatureStore, FeatureWriter
+from jetflow.drafters.training.feature_cache import FeatureStore, FeatureWriter
 from jetflow.drafters.training.regenerate import select_prompts
 
 HEADER = {

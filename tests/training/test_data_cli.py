@@ -9,7 +9,7 @@ import pytest
 from jetflow.cli.main import main
 from jetflow.core.target import Target
 from jetflow.drafters.training.corpus import Corpus
-from jetflow.drafters.training.features import FeatureStore
+from jetflow.drafters.training.feature_cache import FeatureStore
 
 from tests.training.conftest import TinyDataTarget
 

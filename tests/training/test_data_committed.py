@@ -11,7 +11,7 @@ from jetflow.core.target import Target
 from jetflow.data import prompt_sets
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, heldout_dir, second_turn_dir
-from jetflow.drafters.training.features import FeatureStore
+from jetflow.drafters.training.feature_cache import FeatureStore
 
 pytestmark = pytest.mark.integration
 

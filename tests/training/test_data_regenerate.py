@@ -15,7 +15,8 @@ from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import regenerate as regen
 from jetflow.drafters.training.corpus import Corpus
-from jetflow.drafters.training.features import FeatureStore, build_features
+from jetflow.drafters.training.feature_cache import FeatureStore
+from jetflow.drafters.training.features import build_features
 
 from tests.conftest import make_tiny_target
 
