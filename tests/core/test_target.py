@@ -7,11 +7,15 @@ Wrong masks, wrong positions or a wrong commit all break these equalities.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jetflow.core.errors import TargetError
 from jetflow.core.target import Target
 from jetflow.core.tree import DraftTree
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .test_tree import random_trees
 
@@ -58,6 +62,13 @@ def test_commit_keeps_exactly_the_accepted_path(tiny_target: Target, case) -> No
     out = tiny_target.verify(cache, DraftTree.root(follow_up))
     expected = _full_logits(tiny_target, prefix + tree.tokens[path].tolist() + [follow_up])[-1]
     torch.testing.assert_close(out.logits[0], expected, atol=ATOL, rtol=0)
+
+
+def test_commit_into_a_layer_without_keys_is_a_clear_error() -> None:
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer()]  # never written: no keys or values to keep
+    with pytest.raises(TargetError, match="cannot commit a tree path into a DynamicLayer"):
+        Target.commit(cache, 0, torch.tensor([0]))
 
 
 def test_features_are_the_requested_hidden_states(tiny_llama: Target) -> None:
