@@ -13,6 +13,7 @@ from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.kv_cache import SlabLayer
 from jetflow.core.target import Target
 from jetflow.drafters.head_sizes import default_feature_layers
+from jetflow.drafters.training import greedy
 from jetflow.drafters.training import regenerate as regen
 from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.feature_cache import FeatureStore
@@ -65,7 +66,7 @@ def stopping_target() -> Target:
     """A tiny target whose EOS set makes some answers stop early (random weights rarely stop)."""
     target = make_tiny_target("llama", seed=3)
     prompts = [torch.tensor(p.token_ids) for p in _prompts(8)]
-    free = regen.greedy_generate(target.model, prompts, MAX_NEW, eos_ids=[])
+    free = greedy.greedy_generate(target.model, prompts, MAX_NEW, eos_ids=[])
     eos = sorted({int(free[0].response[2]), int(free[5].response[6]), 1})
     target.model.generation_config.eos_token_id = eos
     return target
@@ -96,7 +97,7 @@ def test_batched_greedy_equals_generate_per_prompt(
     compactions = []
     original = SlabLayer.compact
     monkeypatch.setattr(SlabLayer, "compact", lambda self, *a: compactions.append(a[1]) or original(self, *a))
-    results = regen.generate_chunk(
+    results = greedy.generate_chunk(
         stopping_target.model,
         [torch.tensor(p.token_ids) for p in prompts],
         MAX_NEW,
@@ -115,7 +116,7 @@ def test_batched_greedy_equals_generate_per_prompt(
 def test_captured_states_equal_a_teacher_forced_forward(stopping_target: Target) -> None:
     model = stopping_target.model
     prompts = _prompts(6, seed=2)
-    results = regen.generate_chunk(
+    results = greedy.generate_chunk(
         model, [torch.tensor(p.token_ids) for p in prompts], MAX_NEW, stopping_target.eos_token_ids, 4, LAYERS
     )
     for prompt, result in zip(prompts, results, strict=True):
