@@ -13,9 +13,8 @@ from jetflow.core.target import Target
 from jetflow.data import prompt_sets
 from jetflow.drafters.head_sizes import default_feature_layers
 from jetflow.drafters.training import second_turns
-from jetflow.drafters.training.corpus import (
-    Corpus,
-    combined_stats,
+from jetflow.drafters.training.corpus import Corpus, combined_stats
+from jetflow.drafters.training.corpus_folders import (
     corpus_dir_for,
     default_eval_corpus_dir,
     heldout_dir,

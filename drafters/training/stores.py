@@ -11,7 +11,8 @@ from jetflow.core.target import Target
 from jetflow.data.prompt_sets import BENCHMARK_NAMES
 from jetflow.drafters.training.config import TrainConfig
 from jetflow.drafters.training.contracts import SequenceStore
-from jetflow.drafters.training.corpus import Corpus, default_eval_corpus_dir, training_corpus_dirs
+from jetflow.drafters.training.corpus import Corpus
+from jetflow.drafters.training.corpus_folders import default_eval_corpus_dir, training_corpus_dirs
 from jetflow.drafters.training.examples import ConcatStore
 from jetflow.drafters.training.feature_cache import FeatureStore
 

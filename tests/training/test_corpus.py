@@ -10,13 +10,8 @@ import torch
 from jetflow.cli.main import main
 from jetflow.core.errors import DataError
 from jetflow.data.prompt_sets import Sample, benchmark_prompt_texts, load_sharegpt, prompt_key
-from jetflow.drafters.training.corpus import (
-    Corpus,
-    CorpusWriter,
-    default_corpus_dir,
-    pack_shard,
-    token_dtype,
-)
+from jetflow.drafters.training.corpus import Corpus, CorpusWriter, pack_shard, token_dtype
+from jetflow.drafters.training.corpus_folders import default_corpus_dir
 from jetflow.drafters.training.feature_cache import FeatureStore, FeatureWriter
 from jetflow.drafters.training.regenerate import select_prompts
 

@@ -10,7 +10,8 @@ from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
 from jetflow.data import prompt_sets
 from jetflow.drafters.head_sizes import default_feature_layers
-from jetflow.drafters.training.corpus import Corpus, default_corpus_dir, heldout_dir, second_turn_dir
+from jetflow.drafters.training.corpus import Corpus
+from jetflow.drafters.training.corpus_folders import default_corpus_dir, heldout_dir, second_turn_dir
 from jetflow.drafters.training.feature_cache import FeatureStore
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ from jetflow.cli.main import main
 from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
 from jetflow.drafters.training import second_turns
-from jetflow.drafters.training.corpus import Corpus, second_turn_dir, training_corpus_dirs
+from jetflow.drafters.training.corpus import Corpus
+from jetflow.drafters.training.corpus_folders import second_turn_dir, training_corpus_dirs
 from jetflow.drafters.training.feature_cache import FeatureStore
 from jetflow.drafters.training.stores import open_store
 
