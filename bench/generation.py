@@ -6,9 +6,12 @@ whether it is the jetflow engine (with or without a drafter) or ``transformers.g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
+
+from jetflow.bench.config import AR
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,10 @@ class Generation:
 
 
 class Method(Protocol):
-    """A named way of decoding greedily with the shared target."""
+    """A named way of decoding greedily with the shared target.
+
+    A class that subclasses it explicitly takes the defaults of ``reference`` and ``left_out``.
+    """
 
     #: the run's ``method`` in results: ``ar``, ``hf-generate``, ``ngram``, ``ngram:chain``, ...
     name: str
@@ -47,5 +53,10 @@ class Method(Protocol):
     budget: int | None
     #: the tree policy actually run, None for methods without a tree
     policy: str | None
+    #: the method whose output and speed this one is measured against (vLLM's: plain vLLM)
+    reference: str = AR
+    #: peers that were to run beside this method but could not, with the reason (in the
+    #: results' settings): vLLM's drafters whose heads do not export
+    left_out: Mapping[str, str] = MappingProxyType({})
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation: ...

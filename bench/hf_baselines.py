@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from jetflow.bench.generation import Generation
+from jetflow.bench.generation import Generation, Method
 from jetflow.core.packed_weights import unpacked
 from jetflow.core.target import Target
 from transformers import GenerationConfig
@@ -112,7 +112,7 @@ def _timed_candidates(enabled: bool) -> Iterator[_Stopwatch]:
         owner.get_candidates = original
 
 
-class HFGenerateMethod:
+class HFGenerateMethod(Method):
     """``target.model.generate``, greedy or (``temperature`` > 0) pure sampling at that temperature;
     with ``prompt_lookup_num_tokens`` it is HF's prompt lookup."""
 

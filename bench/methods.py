@@ -34,7 +34,7 @@ from jetflow.core.target import Target
 log = logging.getLogger(__name__)
 
 
-class EngineMethod:
+class EngineMethod(Method):
     """The jetflow engine loop: ``ar`` without a drafter, else a drafter at one budget."""
 
     def __init__(self, name: str, engine: Engine) -> None:

@@ -57,12 +57,6 @@ def apply_threads(config: BenchConfig) -> None:
         torch.set_num_threads(config.threads)
 
 
-def reference_of(method: Method) -> str:
-    """The method whose output and speed ``method`` is measured against: ``ar`` unless it says
-    otherwise (vLLM's methods are measured against plain vLLM)."""
-    return getattr(method, "reference", AR)
-
-
 def against_reference(reference: str, speed: float, speeds: Mapping[str, float]) -> dict[str, object]:
     """A run's reference method and its speedup over that reference (tokens/s ratio)."""
     base = speeds[reference]
@@ -112,7 +106,7 @@ class BenchmarkRunner:
             for method, method_records in zip(self.methods, records, strict=True):
                 generation = method.generate(prompt_ids, self.config.max_new_tokens)
                 generations[method.name] = generation
-                reference = generations[reference_of(method)]
+                reference = generations[method.reference]
                 record = TurnRecord(sample.id, index, prompt_ids, generation)
                 if generation is not reference and self.config.greedy:
                     record = self._compare(method, record, reference)
@@ -158,7 +152,7 @@ class BenchmarkRunner:
             level,
             "%s diverges from %s on %s turn %d: %s",
             method.name,
-            reference_of(method),
+            method.reference,
             record.sample_id,
             record.turn,
             divergence,
@@ -172,9 +166,9 @@ class BenchmarkRunner:
     def settings(self, samples: Mapping[str, Sequence[Sample]]) -> dict[str, object]:
         """What decides the run's figures (recorded in results.json, compared on resume)."""
         # the vLLM fields only where vLLM runs, so results written before they existed still resume
-        vllm = {"left_out": {k: v for m in self.methods for k, v in getattr(m, "left_out", {}).items()}}
+        vllm = {"left_out": {k: v for m in self.methods for k, v in m.left_out.items()}}
         return {
-            **self.config.model_dump(mode="json", exclude=None if self.config.vllm else VLLM_FIELDS),
+            **self.config.model_dump(mode="json", exclude=None if self.config.vllm else set(VLLM_FIELDS)),
             "resolved_dtype": dtype_name(self.target.dtype),
             "methods": [{"method": m.name, "budget": m.budget, "policy": m.policy} for m in self.methods],
             **(vllm if self.config.vllm else {}),
@@ -190,7 +184,7 @@ class BenchmarkRunner:
         rows = []
         for method, method_records in zip(self.methods, records, strict=True):
             row = summarise(method, dataset, dtype, method_records, speeds[AR], ar_decode)
-            row |= against_reference(reference_of(method), row["tokens_per_s"], speeds)
+            row |= against_reference(method.reference, tokens_per_s(method_records), speeds)
             rows.append(row | {"temperature": self.config.temperature} | self._checked())
         return rows
 

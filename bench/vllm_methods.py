@@ -20,9 +20,9 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from jetflow.bench.config import BenchConfig
 from jetflow.bench.generation import Generation, Method
@@ -77,10 +77,13 @@ class VllmWorker:
             text=True,
             env=env,
         )
+        assert self.process.stdin is not None and self.process.stdout is not None  # both pipes above
+        self._requests: IO[str] = self.process.stdin
+        self._replies: IO[str] = self.process.stdout
         self.load_s = float(self._read()["load_s"])
 
     def _read(self) -> dict[str, Any]:
-        line = self.process.stdout.readline()
+        line = self._replies.readline()
         if not line:
             self.process.wait()
             tail = self.log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
@@ -95,13 +98,13 @@ class VllmWorker:
             "max_new_tokens": max_new_tokens,
             "stop_token_ids": list(stop),
         }
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
+        self._requests.write(json.dumps(request) + "\n")
+        self._requests.flush()
         return self._read()
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.close()
+            self._requests.close()
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -125,13 +128,13 @@ def accepted_per_step(reply: dict[str, Any]) -> tuple[int, ...]:
     return tuple(k for k, count in enumerate(counts) for _ in range(max(count, 0)))
 
 
-class VllmMethod:
+class VllmMethod(Method):
     """One vLLM configuration meeting the :class:`~jetflow.bench.generation.Method` contract."""
 
     #: the method its speedup and lossless check are measured against
     reference = VLLM
 
-    def __init__(self, name: str, worker: VllmWorker, stop: Sequence[int], tokens: int | None = None) -> None:
+    def __init__(self, name: str, worker: VllmWorker, stop: Iterable[int], tokens: int | None = None) -> None:
         self.name = name
         self.worker = worker
         self.stop = tuple(sorted(stop))
@@ -190,7 +193,8 @@ def build_vllm_methods(config: BenchConfig, target: Target, registry: Registry |
         worker = VllmWorker(settings, folder / f"{name}.log", config.threads)
         atexit.register(worker.close)
         log.info("%s loaded in %.0f s", name, worker.load_s)
-        return VllmMethod(name, worker, stop, speculative and speculative["num_speculative_tokens"])
+        tokens = speculative["num_speculative_tokens"] if speculative else None
+        return VllmMethod(name, worker, stop, tokens)
 
     ngram = {
         "method": "ngram",

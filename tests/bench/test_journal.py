@@ -23,7 +23,7 @@ class Stop(Exception):
     """The process is killed."""
 
 
-class Counting:
+class Counting(Method):
     """``inner``, counting its timed calls (warm-ups are shorter) and killing the run after ``stop_after``."""
 
     def __init__(self, inner: Method, stop_after: int | None = None) -> None:

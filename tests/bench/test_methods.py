@@ -30,7 +30,9 @@ def test_probe_turns_forward_starts_into_accepted_lengths(
 
 def test_lineup_has_ar_first_then_baselines_then_drafters(bench_target: Target) -> None:
     config = load_bench_config(None, {"drafters": ["ngram", "ngram:chain"], "budgets": [4, 8]})
-    lineup = [(m.name, m.budget, m.policy) for m in build_methods(config, bench_target)]
+    methods = build_methods(config, bench_target)
+    assert all(m.reference == "ar" and not m.left_out for m in methods), "the Method protocol's defaults"
+    lineup = [(m.name, m.budget, m.policy) for m in methods]
     assert lineup == [
         ("ar", None, None),
         ("hf-generate", None, None),

@@ -36,7 +36,7 @@ def results(bench_target: Target, prompt_file: Path) -> BenchResults:
     return run_benchmark(_config(prompt_file), target=bench_target)
 
 
-class Corrupted:
+class Corrupted(Method):
     """A method that returns ``inner``'s tokens with one token changed: a lossless bug."""
 
     def __init__(self, inner: Method, position: int = 3) -> None:
