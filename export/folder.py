@@ -72,21 +72,29 @@ def read_export(folder: str | Path) -> tuple[DFlashConfig | Eagle3Config, dict[s
     try:
         config = SPECULATORS_CONFIG.validate_json((folder / CONFIG_JSON).read_text())
         tensors = load_file(str(folder / WEIGHTS))
-        mask = (
-            torch.load(folder / MASK_EMBEDDING, weights_only=True)
-            if isinstance(config, DFlashConfig)
-            else None
-        )
     except FileNotFoundError as error:
-        raise DataError(f"{folder} is not a complete export: {error.filename} is missing") from None
+        raise _incomplete(folder, error) from None
     except ValidationError as error:
         problem = error.errors()[0]
         raise DataError(
             f"{folder / CONFIG_JSON}: {'.'.join(map(str, problem['loc']))}: {problem['msg']}"
         ) from None
     check_tensors(config, tensors)
-    if mask is None:
-        return config, tensors, None
+    if isinstance(config, DFlashConfig):
+        return config, tensors, _mask_embedding(folder, config)
+    return config, tensors, None
+
+
+def _mask_embedding(folder: Path, config: DFlashConfig) -> Tensor:
+    """A DFlash folder's learned mask embedding ``[H]``, checked to stand for the config's mask token."""
+    try:
+        mask = torch.load(folder / MASK_EMBEDDING, weights_only=True)
+    except FileNotFoundError as error:
+        raise _incomplete(folder, error) from None
     if mask.get("mask_token_id") != config.mask_token_id:
         raise DataError(f"{MASK_EMBEDDING} names another mask token than config.json")
-    return config, tensors, mask["embedding"]
+    return mask["embedding"]
+
+
+def _incomplete(folder: Path, error: FileNotFoundError) -> DataError:
+    return DataError(f"{folder} is not a complete export: {error.filename} is missing")

@@ -57,10 +57,10 @@ class SpeculatorsSection(_Model):
     verifier: Verifier
 
 
-class LayerConfig(_Model):
-    """``transformer_layer_config``: the draft decoder layers (a Qwen3 layer: q/k RMSNorm, SwiGLU)."""
+class DraftLayerConfig(_Model):
+    """``transformer_layer_config``: the draft decoder layers; each format narrows the family."""
 
-    model_type: Literal["qwen3"] = "qwen3"
+    model_type: str
     hidden_size: int = Field(ge=1)
     num_hidden_layers: int = Field(ge=1)
     num_attention_heads: int = Field(ge=1)
@@ -76,6 +76,12 @@ class LayerConfig(_Model):
     tie_word_embeddings: Literal[False] = False
 
 
+class LayerConfig(DraftLayerConfig):
+    """A DFlash head's decoder layers: Qwen3 layers (q/k RMSNorm, SwiGLU)."""
+
+    model_type: Literal["qwen3"] = "qwen3"
+
+
 def _draft_vocabulary_tensors(draft_vocab: int, vocab: int, hidden: int) -> dict[str, tuple[int, ...]]:
     """A draft vocabulary's own LM-head rows and its maps (draft id -> target id offsets, target mask)."""
     return {"lm_head.weight": (draft_vocab, hidden), "d2t": (draft_vocab,), "t2d": (vocab,)}
@@ -88,9 +94,11 @@ class _FolderConfig(_Model):
     draft_vocab_size: int = Field(ge=1)
     target_hidden_size: int = Field(ge=1)
     jetflow: dict[str, Any] = Field(default_factory=dict, description="provenance: checkpoint, recipe")
+    transformer_layer_config: DraftLayerConfig
 
-    def _check_layer(self, layer: LayerConfig) -> None:
+    def _check_layer(self) -> None:
         """The checks on the vocabulary and the attention heads that every folder shares."""
+        layer = self.transformer_layer_config
         if self.draft_vocab_size > layer.vocab_size:
             raise ValueError("draft_vocab_size exceeds the target's vocabulary")
         if layer.num_attention_heads % layer.num_key_value_heads:
@@ -141,7 +149,7 @@ class DFlashConfig(_FolderConfig):
             raise ValueError(
                 "a bidirectional block sees all its slots: speculative_tokens must be block_size - 1"
             )
-        self._check_layer(layer)
+        self._check_layer()
         if not 0 <= self.mask_token_id < layer.vocab_size:
             raise ValueError("mask_token_id is outside the target's vocabulary")
         return self
@@ -188,7 +196,7 @@ class DFlashConfig(_FolderConfig):
         return shapes
 
 
-class Eagle3LayerConfig(LayerConfig):
+class Eagle3LayerConfig(DraftLayerConfig):
     """``transformer_layer_config`` of an Eagle3 head: one layer of the target's family; vLLM builds
     ``Eagle3LlamaForCausalLM`` for ``llama`` (no q/k norms) and ``Eagle3Qwen3ForCausalLM`` for
     ``qwen3`` (q/k RMSNorm per head)."""
@@ -218,10 +226,9 @@ class Eagle3Config(_FolderConfig):
 
     @model_validator(mode="after")
     def _consistent(self) -> Eagle3Config:
-        layer = self.transformer_layer_config
         if self.speculators_config.algorithm != "eagle3":
             raise ValueError("an Eagle3 folder's speculators_config.algorithm must be eagle3")
-        self._check_layer(layer)
+        self._check_layer()
         ids = self.eagle_aux_hidden_state_layer_ids
         if list(ids) != sorted(set(ids)):
             raise ValueError("vLLM concatenates the aux hidden states in increasing layer order: sort them")
