@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from jetflow.core.target import Target
+from jetflow.drafters.blocks import FrozenTargetParts
 from jetflow.export.compat import NotExportableError
 from torch import Tensor
 
@@ -55,7 +56,8 @@ def vllm_tensors(
     over; they are copied exactly from the (fp32) target.
     """
     tensors = renamed(state, names, drafter=drafter, fmt=fmt, skip={*skip, "draft_tokens"})
-    if getattr(target.model.get_output_embeddings(), "bias", None) is not None:
+    lm_head = FrozenTargetParts.from_target(target).lm_head
+    if lm_head.bias is not None:
         raise NotExportableError(drafter, fmt, ["the target's LM head has a bias, vLLM's draft LM head none"])
     draft_tokens = state.get("draft_tokens")
     vocab = target.vocab_size
@@ -64,7 +66,7 @@ def vllm_tensors(
         if draft_tokens.unique().numel() != draft_tokens.numel():
             raise NotExportableError(drafter, fmt, ["the draft vocabulary lists a token twice"])
         if draft_tokens.numel() < vocab:
-            lm = target.model.get_output_embeddings().weight.detach()
+            lm = lm_head.weight.detach()
             tensors["lm_head.weight"] = lm[draft_tokens.to(lm.device)]
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
     if draft_tokens is None or draft_tokens.numel() == vocab:
