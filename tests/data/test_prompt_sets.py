@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from jetflow.core.errors import ConfigError, DataError
 from jetflow.data import prompt_sets as ds
+from jetflow.data import shipped_files
+from jetflow.data.shipped_files import shipped_path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,7 +141,7 @@ def test_sharegpt_that_is_not_an_array_is_a_data_error(tmp_path: Path) -> None:
 
 
 def test_truncated_gz_is_a_data_error(tmp_path: Path) -> None:
-    data = ds.shipped_path("humaneval").read_bytes()
+    data = shipped_path("humaneval").read_bytes()
     path = tmp_path / "HumanEvalCut.jsonl.gz"
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"HumanEvalCut\.jsonl\.gz"):
@@ -154,7 +156,7 @@ def test_not_gzip_at_all_is_a_data_error(tmp_path: Path) -> None:
 
 
 def test_invalid_jsonl_line_is_a_data_error_naming_the_line(tmp_path: Path) -> None:
-    lines = ds.shipped_path("mtbench").read_text().splitlines()
+    lines = shipped_path("mtbench").read_text().splitlines()
     lines[2] = lines[2][:-5]
     path = tmp_path / "questions_broken.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -189,7 +191,7 @@ def test_broken_champ_file_is_a_data_error(tmp_path: Path, content: str) -> None
 def test_missing_package_names_the_pip_package(
     monkeypatch: pytest.MonkeyPatch, name: str, pip_name: str
 ) -> None:
-    monkeypatch.setattr(ds, "find_spec", lambda module: None)
+    monkeypatch.setattr(shipped_files, "find_spec", lambda module: None)
     with pytest.raises(DataError, match=f"pip install {pip_name}"):
         ds.load_dataset_samples(name)
 
