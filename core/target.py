@@ -12,12 +12,15 @@ import hashlib
 import importlib.util
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError
 from jetflow.attention.verify_attention import select_verify_attention, verify_mask
 from jetflow.core.atomic import atomic_path
 from jetflow.core.cache_root import cache_root
@@ -27,6 +30,7 @@ from jetflow.core.kv_cache import is_slab, slab_cache, slab_layers, supports_sla
 from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.core.precision import default_device, dtype_name
 from jetflow.core.tree import DraftTree
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
@@ -78,7 +82,7 @@ class Target:
             model = _from_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
             tokenizer = _from_pretrained(AutoTokenizer, folder)
         elif spec.endswith(".gguf"):
-            path = Path(spec)
+            path = Path(spec).expanduser()
             if not path.is_file():
                 raise TargetError(f"target GGUF file not found: {spec}")
             name = path.stem
@@ -86,8 +90,9 @@ class Target:
             tokenizer = _from_pretrained(AutoTokenizer, path.parent, gguf_file=path.name)
         else:
             name = spec
-            model = _from_pretrained(AutoModelForCausalLM, spec, dtype=dtype)
-            tokenizer = _from_pretrained(AutoTokenizer, spec)
+            source = _model_source(spec)
+            model = _from_pretrained(AutoModelForCausalLM, source, dtype=dtype)
+            tokenizer = _from_pretrained(AutoTokenizer, source)
         return cls(model.to(device), tokenizer, name)
 
     # ------------------------------------------------------------------ facts
@@ -270,15 +275,64 @@ class Target:
 
 
 # ---------------------------------------------------------------------- loading helpers
+#: a Hugging Face hub id, ``name`` or ``owner/name``; any other spelling is taken for a local path
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _model_source(spec: str) -> str:
+    """The folder or cached hub id ``spec`` names, or a TargetError saying what is missing.
+
+    Left to ``from_pretrained``, a missing folder is reported with the hub's rules for ids
+    and an uncached hub id with a failed connection: neither tells the user what to do.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise TargetError(
+            f"target {spec!r} is a file; a target is a model folder, a .gguf file or a cached hub id"
+        )
+    if spec.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(spec):
+        raise TargetError(f"target {spec!r}: no such folder or file")
+    try:
+        cached = try_to_load_from_cache(spec, "config.json")
+    except HFValidationError:  # the hub's finer rules (no "--" or ".."): a path after all
+        raise TargetError(f"target {spec!r}: no such folder or file") from None
+    if not isinstance(cached, str):
+        raise TargetError(
+            f"target {spec!r} is neither a folder here nor a hub model in the local cache; jetflow "
+            f"never downloads: fetch it once (`huggingface-cli download {spec}`) or give its folder"
+        )
+    return spec
+
+
 def _from_pretrained(factory, source, **kwargs):
     """``from_pretrained`` that never touches the network and fails with a clear message."""
     try:
         return factory.from_pretrained(source, local_files_only=True, **kwargs)
+    except SafetensorError as error:
+        damaged = ", ".join(map(str, _unreadable_weights(Path(source)))) or "unknown file"
+        raise TargetError(
+            f"cannot load target {str(source)!r}: damaged weights ({damaged}): truncated or not "
+            f"safetensors; copy or download them again ({error})"
+        ) from error
     except (OSError, ValueError) as error:
         raise TargetError(
             f"cannot load target {str(source)!r} from local files (jetflow never downloads): "
             f"{str(error).splitlines()[0]}"
         ) from error
+
+
+def _unreadable_weights(folder: Path) -> list[Path]:
+    """The ``.safetensors`` files in ``folder`` whose header or length is broken."""
+    broken = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (SafetensorError, OSError):
+            broken.append(path)
+    return broken
 
 
 #: version of the cached folder's layout: a new version is written beside older caches, never mixed
