@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jetflow.bench.config import DrafterSpec
+from jetflow.core.atomic import write_json_atomic
 from jetflow.core.config import AUTO_BUDGET
 from jetflow.core.errors import ConfigError
 
@@ -69,8 +71,8 @@ class BenchResults:
         return {"machine": self.machine, "target": self.target, "settings": self.settings, "runs": self.runs}
 
     def write_json(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write ``path`` atomically: a reader (or a killed run) never sees half a file."""
+        write_json_atomic(path, self.to_dict(), indent=2)
         return path
 
     @classmethod
@@ -160,7 +162,27 @@ def merge_saved(path: Path, results: BenchResults) -> BenchResults:
             commands = list(dict.fromkeys(c for c in [*commands, results.settings.get("command")] if c))
             merged.settings = results.settings | {"n_samples": n_samples, "datasets": datasets}
             merged.settings["commands"] = commands  # one per process that filled the file
-        partial = path.with_suffix(".partial")
-        merged.write_json(partial)
-        partial.replace(path)
+        merged.write_json(path)
     return merged
+
+
+def refuse_other_results(path: Path, config: Mapping[str, Any]) -> None:
+    """Refuse to replace the results file at ``path`` with a run of other settings.
+
+    ``config`` is the new run's config (its JSON form, as its settings record it). A run that
+    starts anew (no ``--resume``) on the settings already saved there measures the same
+    comparison again; on any other settings (data sets included) it would silently drop what
+    the file holds, so the user must say ``--resume`` or ``--overwrite``, or pick another folder.
+    """
+    if not path.exists():
+        return
+    choices = "pass --resume to add to them, --overwrite to replace them, or choose another --out"
+    try:
+        saved = BenchResults.read_json(path).settings
+    except ConfigError as error:
+        raise ConfigError(f"{error}; {choices}") from None
+    keys = (set(saved) & set(config)) - {"out"}
+    differ = sorted(key for key in keys if saved[key] != config[key])
+    if differ:
+        shown = ", ".join(f"{key} ({saved[key]!r} -> {config[key]!r})" for key in differ)
+        raise ConfigError(f"{path.parent} holds results measured with other settings: {shown}; {choices}")

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jetflow.cli._options import add_compile_flag
+from jetflow.cli._options import add_compile_flag, writable_folder
 
 if TYPE_CHECKING:
     from jetflow.bench.config import BenchConfig
+    from jetflow.bench.results import BenchResults
 
 EXIT_NOT_LOSSLESS = 1
 #: under --out: each unfinished data set's journal of finished samples
@@ -70,12 +71,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(in .venv-vllm: `make vllm`); their speedups are over vllm, jetflow's over ar "
         "(--no-vllm: jetflow's methods only, where the config file asks for vLLM)",
     )
-    parser.add_argument(
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
         "--resume",
         action="store_true",
         help="keep the data sets already in OUT/results.json (same settings) and the samples journaled "
         "in OUT/journal by a stopped run, and run the rest, its auto runs starting from the calibrations "
         "kept in OUT/calibration; processes given different --datasets can fill one OUT side by side",
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results OUT holds even where they were measured with other settings "
+        "(without it, and without --resume, such a run is refused)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -111,32 +119,12 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from jetflow.bench.config import load_bench_config
-    from jetflow.bench.report import RESULTS_JSON, write_outputs
-    from jetflow.bench.results import BenchResults, merge_saved
-    from jetflow.bench.runner import run_benchmark
+    from jetflow.bench.out_lock import hold_out_folder
 
     config = load_bench_config(args.config, overrides(args))
-    command = command_line(config, args.config) + (" --resume" if args.resume else "")
-    saved = Path(config.out) / RESULTS_JSON
-    previous = BenchResults.read_json(saved) if args.resume and saved.exists() else None
-
-    def save(results: BenchResults) -> BenchResults:
-        results.settings["command"] = command
-        if args.resume:  # other processes may be filling the same file with other data sets
-            return merge_saved(saved, results)
-        results.write_json(saved)
-        return results
-
-    results = run_benchmark(
-        config,
-        progress=not args.no_progress,
-        previous=previous,
-        on_dataset=save,
-        journal_dir=Path(config.out) / JOURNAL_DIR,
-        resume=args.resume,
-        kept_calibrations=Path(config.out) / CALIBRATION_DIR,
-    )
-    paths = write_outputs(save(results), config.out)
+    out = writable_folder(config.out)  # before the target loads: a bad --out costs one line
+    with hold_out_folder(out, shared=args.resume):
+        results, paths = _measure(config, out, args)
     for run_row in results.runs:
         budget = "" if run_row["budget"] is None else f" B={run_row['budget']}"
         speedup = run_row.get("speedup_vs_reference", run_row["speedup_vs_ar"])
@@ -153,3 +141,41 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_NOT_LOSSLESS
     return 0
+
+
+def _measure(config: BenchConfig, out: Path, args: argparse.Namespace) -> tuple[BenchResults, list[Path]]:
+    """Run the comparison into ``out`` (held by this run) and write its outputs.
+
+    Without ``--resume`` or ``--overwrite``, results of other settings already in ``out`` stop
+    the run before the target loads.
+    """
+    from jetflow.bench.report import RESULTS_JSON, write_outputs
+    from jetflow.bench.results import BenchResults, merge_saved, refuse_other_results
+    from jetflow.bench.runner import run_benchmark
+
+    command = command_line(config, args.config) + (" --resume" if args.resume else "")
+    saved = out / RESULTS_JSON
+    if not (args.resume or args.overwrite):
+        refuse_other_results(saved, config.model_dump(mode="json"))
+    previous = BenchResults.read_json(saved) if args.resume and saved.exists() else None
+
+    def save(results: BenchResults) -> BenchResults:
+        results.settings["command"] = command
+        if args.resume:  # other processes may be filling the same file with other data sets
+            return merge_saved(saved, results)
+        results.write_json(saved)
+        return results
+
+    def save_dataset(results: BenchResults) -> None:
+        save(results)
+
+    results = run_benchmark(
+        config,
+        progress=not args.no_progress,
+        previous=previous,
+        on_dataset=save_dataset,
+        journal_dir=out / JOURNAL_DIR,
+        resume=args.resume,
+        kept_calibrations=out / CALIBRATION_DIR,
+    )
+    return results, write_outputs(save(results), config.out)

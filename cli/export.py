@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from jetflow.cli._options import new_output_path
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -34,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from jetflow.export.exporter import export_drafter
     from jetflow.export.folder import read_export
 
+    out = new_output_path(args.out)  # before the target loads: a bad --out costs one line
     path = export_drafter(
         args.drafter,
-        args.out,
+        out,
         args.target,
         fmt=args.format,
         params={"checkpoint": args.checkpoint} if args.checkpoint else None,

@@ -35,8 +35,14 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_bad_input_is_one_line_exit_2_without_loading(
-    capsys: pytest.CaptureFixture[str], no_model_load: None, argv: list[str], message: str
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    no_model_load: None,
+    argv: list[str],
+    message: str,
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # the default --out, results/, is made before the data sets load
     code = main(["bench", "--no-progress", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
