@@ -6,8 +6,9 @@ import os
 
 import pytest
 import torch
+from jetflow.core.cache_root import cache_root
 from jetflow.core.precision import DEVICE_VARIABLE, default_device
-from jetflow.core.target import Target, cache_root
+from jetflow.core.target import Target
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
