@@ -8,10 +8,14 @@ checkpoint through it, without a runtime drafter around the head.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from jetflow.drafters.head_sizes import HeadSizes
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from jetflow.drafters.blocks import FrozenTargetParts
+    from jetflow.drafters.examples import ExampleBatch, Predictions
 
 #: the head's per-sequence cache of context keys and values (only the head reads it)
 CacheT = TypeVar("CacheT")
@@ -28,3 +32,12 @@ class DraftHead(nn.Module, Generic[CacheT]):
     @abstractmethod
     def empty_cache(self) -> CacheT:
         """The context cache of a new sequence."""
+
+    @property
+    @abstractmethod
+    def max_depth(self) -> int:
+        """Depths drafted from one root (the block size less one, or the autoregressive steps)."""
+
+    @abstractmethod
+    def training_predictions(self, batch: ExampleBatch, shared: FrozenTargetParts) -> Predictions:
+        """The head's predictions at a batch's anchors: the shared trainer's one hook."""

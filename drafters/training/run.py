@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
 
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
@@ -21,7 +20,6 @@ from jetflow.drafters.blocks import FrozenTargetParts
 from jetflow.drafters.checkpoint import CheckpointInfo, target_record
 from jetflow.drafters.learned import LearnedDrafter
 from jetflow.drafters.training.config import TrainConfig
-from jetflow.drafters.training.contracts import TrainableHead
 from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
 from jetflow.drafters.training.distributed import DataParallel
 from jetflow.drafters.training.result import TrainResult
@@ -47,15 +45,6 @@ def shipped_recipe(drafter: str) -> Path:
     return path
 
 
-def new_head(drafter_cls: type[LearnedDrafter], target: Target, options: dict) -> TrainableHead:
-    """A fresh head of ``drafter_cls`` for ``target``, as the trainer sees it.
-
-    ``LearnedDrafter.new_head`` declares a plain module (inference needs no training hook);
-    every learned head implements :class:`TrainableHead`, which the trainer's tests check.
-    """
-    return cast(TrainableHead, drafter_cls.new_head(target, options))
-
-
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Train the head of ``config.drafter`` as ``config`` says; its final head lands in ``config.out``.
 
@@ -65,7 +54,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
     """
     drafter_cls = learned_drafter(config.drafter)
     target = Target.load(config.target, dtype=resolve_dtype("float32"))
-    head = new_head(drafter_cls, target, config.head)
+    head = drafter_cls.new_head(target, config.head)
     layers = tuple(head.config.feature_layers)
     corpora, eval_corpus = resolve_corpora(config)
     config = config.model_copy(update={"corpus": corpora, "eval_corpus": eval_corpus})  # the data it saw
