@@ -52,7 +52,7 @@ from jetflow.core.calibration_store import (
     save_calibration,
 )
 from jetflow.core.config import GenerateConfig
-from jetflow.core.contracts import Verifier
+from jetflow.core.contracts import Drafter, Verifier
 from jetflow.core.cost_model import (
     CHOICE_TOLERANCE,
     EARLY_STOP_FRACTION,
@@ -141,6 +141,13 @@ def engine_at(
     return Engine(config.model_copy(update={"tree": tree}), target, registry)
 
 
+def drafter_of(engine: Engine) -> Drafter:
+    """The engine's drafter: only a drafted config is calibrated."""
+    if engine.drafter is None:
+        raise ConfigError("calibration needs a drafter (the budget of plain decoding is always 0)")
+    return engine.drafter
+
+
 def ensure_calibration(
     config: GenerateConfig,
     target: Target,
@@ -204,7 +211,7 @@ def key_for(config: GenerateConfig, target: Target, registry: Registry | None = 
     if not config.uses_drafter:
         raise ConfigError("calibration needs a drafter (the budget of plain decoding is always 0)")
     engine = engine_at(config, target, 1, registry)
-    return CalibrationKey.of(target, engine.drafter, engine.policy, engine.verifier, config.tree)
+    return CalibrationKey.of(target, drafter_of(engine), engine.policy, engine.verifier, config.tree)
 
 
 def measure_verify_latency(
@@ -287,7 +294,7 @@ def calibrate(
     sizes = sorted(grid | {1} | {budget + 1 for budget in budgets})
 
     first = engine_at(config, target, budgets[0], registry)
-    key = CalibrationKey.of(target, first.drafter, first.policy, first.verifier, config.tree)
+    key = CalibrationKey.of(target, drafter_of(first), first.policy, first.verifier, config.tree)
     total = len(sizes) * (warmup + repeats) + len(budgets) * len(prompts)
     with tqdm(total=total, desc="calibrating", unit="run", disable=not progress, leave=False) as bar:
         bar.set_postfix_str("verify latency")
@@ -299,7 +306,7 @@ def calibrate(
             width=config.tree.width,
             repeats=repeats,
             warmup=warmup,
-            layers=first.drafter.feature_layers,
+            layers=drafter_of(first).feature_layers,
             on_measure=bar.update,
         )
         points: list[BudgetPoint] = []

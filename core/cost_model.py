@@ -44,7 +44,9 @@ def choose_budget(budgets: Sequence[int], tokens_per_s: Sequence[float], toleran
     return int(np.asarray(budgets)[order][int(np.argmax(good_enough))])
 
 
-def interpolate_latency(sizes: Sequence[int], latency_s: Sequence[float], at: Sequence[int]) -> np.ndarray:
+def interpolate_latency(
+    sizes: Sequence[int], latency_s: Sequence[float], at: Sequence[int] | np.ndarray
+) -> np.ndarray:
     """``T`` at tree sizes ``at``, piecewise linear between measured sizes (clamped at the ends)."""
     return np.interp(np.asarray(at, dtype=float), np.asarray(sizes, dtype=float), np.asarray(latency_s))
 
