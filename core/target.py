@@ -29,6 +29,7 @@ from jetflow.core.errors import TargetError
 from jetflow.core.kv_cache import is_slab, slab_cache, slab_layers, supports_slab
 from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.core.precision import default_device, dtype_name
+from jetflow.core.prompt import check_text
 from jetflow.core.tree import DraftTree
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
@@ -161,7 +162,10 @@ class Target:
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
         """Token ids of a prompt: through the chat template unless ``chat`` is false or the
         tokenizer has none (a base model), where the text (a chat's turns joined by blank lines)
-        is encoded as it is. Every path that formats prompts comes here, so they share the rule."""
+        is encoded as it is. Every path that formats prompts comes here, so they share the rule,
+        and text no tokenizer can encode (a lone surrogate) is named here, whoever read it."""
+        for text in [prompt] if isinstance(prompt, str) else [turn["content"] for turn in prompt]:
+            check_text(text)
         if chat and not self.has_chat_template:
             if not self._raw_prompts_logged:
                 log.warning("%s has no chat template: prompts are encoded as raw text", self.name)

@@ -15,6 +15,7 @@ import pytest
 from jetflow.cli.main import main
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
+from jetflow.core.errors import ConfigError
 
 from tests.conftest import make_tiny_target
 
@@ -81,3 +82,11 @@ def test_cli_generate_on_a_base_model_needs_no_raw_flag(
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert json.loads(captured.out)["text"]
+
+
+def test_text_no_tokenizer_can_encode_is_named_wherever_it_was_read() -> None:
+    target = make_tiny_target("llama")
+    with pytest.raises(ConfigError, match="lone surrogate"):
+        target.encode_prompt("w3 \udcff")
+    with pytest.raises(ConfigError, match="lone surrogate"):
+        target.encode_prompt([{"role": "user", "content": "w3 \udcff"}])
