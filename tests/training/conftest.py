@@ -1,5 +1,6 @@
-"""Fixtures of the training tests: the ``jetflow data`` commands run against a tiny target, and a
-ticking clock for the trainer's time accounting."""
+"""Fixtures of the training tests: the ``jetflow data`` commands run against a tiny target, a tiny
+world for ``train`` (the tiny target and its in-memory corpus), and a ticking clock for the
+trainer's time accounting."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 import torch
 from jetflow.cli import data as data_cli
 from jetflow.core.target import Target
+from jetflow.drafters.training import run as training_run
 from jetflow.drafters.training import trainer as trainer_module
 
 from tests.conftest import make_tiny_target
+from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
 
 #: makes the tiny data target: (chat template, prompt-file records, benchmark texts by ``every_turn``)
 TinyDataTarget = Callable[[str, list[dict], dict[bool, set[str]]], tuple[Target, Path]]
@@ -54,3 +57,12 @@ def ticking_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     do not depend on how fast this machine runs the steps."""
     ticks = itertools.count(start=0.0, step=1.0)
     monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+
+@pytest.fixture
+def tiny_world(tiny_llama, monkeypatch):
+    """`Target.load` gives the tiny target and the feature cache is the in-memory miniature corpus."""
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: tiny_llama))
+    monkeypatch.setattr(training_run, "open_store", lambda *a, **k: regenerated_store(tiny_llama))
+    with jetflow_registered():
+        yield

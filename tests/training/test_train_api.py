@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import pytest
 from jetflow.core.errors import ConfigError
-from jetflow.core.target import Target
 from jetflow.drafters.checkpoint import load_checkpoint
 from jetflow.drafters.jetflow.plugin import JetFlowDrafter
 from jetflow.drafters.training import TrainConfig, train
-from jetflow.drafters.training import run as training_run
 from jetflow.drafters.training.curve import CURVE_PLOT
 from jetflow.drafters.training.run import learned_drafter, shipped_recipe
-
-from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
-
-
-@pytest.fixture
-def tiny_world(tiny_llama, monkeypatch):
-    """`Target.load` gives the tiny target and the feature cache is the in-memory miniature corpus."""
-    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: tiny_llama))
-    monkeypatch.setattr(training_run, "open_store", lambda *a, **k: regenerated_store(tiny_llama))
-    with jetflow_registered():
-        yield
 
 
 def tiny_config(tmp_path, **overrides) -> TrainConfig:

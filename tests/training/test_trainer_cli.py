@@ -5,25 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from jetflow.cli import main as cli
 from jetflow.cli import train as train_cli
-from jetflow.core.target import Target
 from jetflow.drafters.checkpoint import load_checkpoint
 from jetflow.drafters.jetflow.plugin import JetFlowDrafter
 from jetflow.drafters.training import TrainConfig
-from jetflow.drafters.training import run as training_run
-
-from tests.drafters.tiny_heads import jetflow_registered, regenerated_store
-
-
-@pytest.fixture
-def tiny_world(tiny_llama, monkeypatch):
-    """`Target.load` gives the tiny target and the feature cache is the in-memory miniature corpus."""
-    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: tiny_llama))
-    monkeypatch.setattr(training_run, "open_store", lambda *a, **k: regenerated_store(tiny_llama))
-    with jetflow_registered():
-        yield
 
 
 def test_train_command_trains_and_ships_a_head(
