@@ -6,6 +6,7 @@ autoregressive baseline every speedup is measured against.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -64,6 +65,7 @@ class Engine:
         #: re-chooses the budget every step when it comes from a calibration (``tree.adapt``)
         self.adaptive: AdaptiveBudget | None = None
         self.shape = TreeShape(self._resolve_budget(), config.tree.width, config.tree.max_depth)
+        self._serving = threading.Lock()  # held by the generation in progress
 
     def _compiles(self) -> bool:
         """``compile`` as configured; left unset, where this setup's calibrations show it pays."""
@@ -127,8 +129,14 @@ class Engine:
     def generate(self, prompt: Prompt, max_new_tokens: int | None = None) -> GenerationResult:
         """Decode ``prompt`` (text, chat messages or token ids) until a stop condition.
 
-        ``max_new_tokens`` (>= 1) overrides the config's for this call.
+        ``max_new_tokens`` (>= 1) overrides the config's for this call. The drafter and the
+        adaptive budget keep per-sequence state, so one engine decodes one sequence at a time:
+        callers on several threads are served in turn, each exactly as if it were alone.
         """
+        with self._serving:
+            return self._generate(prompt, max_new_tokens)
+
+    def _generate(self, prompt: Prompt, max_new_tokens: int | None) -> GenerationResult:
         limit = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
