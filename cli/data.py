@@ -117,6 +117,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     feats.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward")
     feats.add_argument("--threads", type=int, help="torch CPU threads")
     feats.add_argument(
+        "--max-sequences",
+        type=int,
+        metavar="N",
+        help="only the shards holding each corpus's first N sequences (a run with max_sequences=N)",
+    )
+    feats.add_argument(
         "--part",
         type=_part,
         default=(1, 1),
@@ -262,7 +268,13 @@ def _features(args: argparse.Namespace) -> int:
     layers = args.layers or default_feature_layers(target.num_layers)
     for corpus in corpora:
         store = build_features(
-            target, corpus, layers, token_budget=args.token_budget, part=args.part, show_progress=True
+            target,
+            corpus,
+            layers,
+            token_budget=args.token_budget,
+            part=args.part,
+            limit=args.max_sequences,
+            show_progress=True,
         )
         if store is None:
             k, n = args.part

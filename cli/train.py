@@ -1,4 +1,5 @@
-"""``jetflow train``: train a drafter's head on the cached target features of a corpus.
+"""``jetflow train``: train a drafter's head on a corpus's target features, cached or (``--online``)
+computed by the target inside the loop.
 
 The command reads its arguments into a :class:`TrainConfig` and calls
 :func:`jetflow.drafters.training.train`, which does the work. Data-parallel with
@@ -34,7 +35,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         help="corpus folder, repeatable (default: the default target's first and second turns)",
     )
+    parser.add_argument(
+        "--target", help="target spec, as for `jetflow generate` (default: the recipe's, 'default')"
+    )
     parser.add_argument("--features", type=Path, help="feature cache folder (default: the corpus's cache)")
+    parser.add_argument(
+        "--online",
+        action="store_true",
+        default=None,
+        help="run the target inside the loop for each step's features: no feature cache is read or written",
+    )
     parser.add_argument("--out", type=Path, help="output folder (log, checkpoints, final head)")
     parser.add_argument("--steps", type=int, help="override the number of optimiser steps")
     parser.add_argument(
@@ -82,6 +92,8 @@ def build_train_config(args: argparse.Namespace) -> TrainConfig:
         args.config or shipped_recipe(args.drafter),
         settings=parse_settings(args.settings),
         drafter=args.drafter,
+        target=args.target,
+        online=args.online,
         out=str(args.out) if args.out else None,
         corpus=[str(c) for c in args.corpus] if args.corpus else None,
         features=str(args.features) if args.features else None,

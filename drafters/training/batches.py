@@ -79,16 +79,17 @@ def anchored_batch(
 ) -> ExampleBatch:
     """The batch of sequences ``ids`` of ``store`` with random anchors, on ``device``.
 
-    Anchors are drawn for every sequence of ``ids`` in order, so a sequence gets the same
-    anchors whichever process trains on it; with ``parallel``, only this process's share
-    of the sequences is kept.
+    Anchors are drawn for every sequence of ``ids`` in order (from its tokens alone), so a
+    sequence gets the same anchors whichever process trains on it; with ``parallel``, only
+    this process's share of the sequences is read, in one call (an online store runs the
+    target once over them).
     """
-    records = [store.sequence(i) for i in ids]
-    anchors = [
-        sample_anchors(prompt, tokens.shape[0], features.shape[0], anchors_per_sequence, generator)
-        for tokens, prompt, features, _ in records
-    ]
-    if parallel is not None:
-        mine = parallel.shard(range(len(ids)))
-        records, anchors = [records[i] for i in mine], [anchors[i] for i in mine]
-    return collate(records, anchors, dtype=torch.float32).to(device)
+    anchors = []
+    for index in ids:
+        tokens, prompt = store.tokens(index)
+        # states cover the T - 1 positions with a next token (or all T: the same anchors)
+        length = int(tokens.shape[0])
+        anchors.append(sample_anchors(prompt, length, length - 1, anchors_per_sequence, generator))
+    mine = list(range(len(ids))) if parallel is None else parallel.shard(range(len(ids)))
+    records = store.sequences([ids[i] for i in mine])
+    return collate(records, [anchors[i] for i in mine], dtype=torch.float32).to(device)

@@ -25,6 +25,13 @@ class TrainConfig(BaseModel):
     features: str | None = Field(
         default=None, description="feature cache folder of a single corpus; default: its cache"
     )
+    online: bool = Field(
+        default=False,
+        description=(
+            "run the frozen target inside the loop for each step's features and teacher (no "
+            "feature cache is read or written: what a target too large to cache needs)"
+        ),
+    )
     out: str = Field(default="runs/train", description="output folder: log, checkpoints, final head")
     head: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters (drafter's own)")
     loss: LossConfig = Field(default_factory=LossConfig)

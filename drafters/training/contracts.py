@@ -2,12 +2,13 @@
 
 A head is any torch module of a drafter plugin with these members (the jetflow, dflash and
 eagle heads are); a store is anything that serves target-regenerated sequences with their
-cached features (the feature cache, several of them read as one, or a list in memory).
+target states (the feature cache, the target itself run online, several of them read as one,
+or a list in memory).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -39,6 +40,14 @@ class SequenceStore(Protocol):
 
     def sequence(self, index: int) -> Record:
         """``(tokens [T] long, prompt_length, features [F, k, H] fp16, final [F, H] fp16)``."""
+        ...
+
+    def sequences(self, indices: Sequence[int]) -> list[Record]:
+        """Several sequences at once: a store that computes states (online) batches them."""
+        ...
+
+    def tokens(self, index: int) -> tuple[Tensor, int]:
+        """``(tokens [T] long, prompt_length)`` without the states: cheap in every store."""
         ...
 
 

@@ -48,6 +48,13 @@ class InMemoryStore:
     def sequence(self, index: int) -> Record:
         return self.records[index]
 
+    def sequences(self, indices: Sequence[int]) -> list[Record]:
+        return [self.records[int(i)] for i in indices]
+
+    def tokens(self, index: int) -> tuple[Tensor, int]:
+        tokens, prompt_length, _, _ = self.records[index]
+        return tokens, prompt_length
+
 
 class ConcatStore:
     """Several stores read as one, in order (a corpus and its second turns): indices run on.
@@ -77,11 +84,30 @@ class ConcatStore:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def sequence(self, index: int) -> Record:
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(part, index within the part) of sequence ``index``."""
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} out of range for a store of {len(self)}")
         part = int(torch.searchsorted(self._starts, torch.tensor(index), right=True)) - 1
-        return self.stores[part].sequence(index - int(self._starts[part]))
+        return part, index - int(self._starts[part])
+
+    def sequence(self, index: int) -> Record:
+        part, local = self._locate(index)
+        return self.stores[part].sequence(local)
+
+    def sequences(self, indices: Sequence[int]) -> list[Record]:
+        """Each part reads its share of ``indices`` in one call (one batch where it computes)."""
+        located = [self._locate(int(i)) for i in indices]
+        records: dict[int, Record] = {}
+        for part, store in enumerate(self.stores):
+            slots = [slot for slot, (p, _) in enumerate(located) if p == part]
+            if slots:
+                records.update(zip(slots, store.sequences([located[s][1] for s in slots]), strict=True))
+        return [records[slot] for slot in range(len(located))]
+
+    def tokens(self, index: int) -> tuple[Tensor, int]:
+        part, local = self._locate(index)
+        return self.stores[part].tokens(local)
 
 
 @torch.inference_mode()
@@ -111,7 +137,7 @@ def response_token_counts(store: SequenceStore, indices: Sequence[int], vocab_si
     """How often each token occurs in the responses of ``indices``: ``[vocab_size]`` long."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for index in indices:
-        tokens, prompt_length, _, _ = store.sequence(index)
+        tokens, prompt_length = store.tokens(index)
         counts += torch.bincount(tokens[prompt_length:].long(), minlength=vocab_size)
     return counts
 

@@ -220,6 +220,16 @@ class FeatureStore:
     def __len__(self) -> int:
         return self._length
 
+    def tokens(self, i: int) -> tuple[Tensor, int]:
+        """``tokens [T]`` int64 and the prompt length of sequence ``i``."""
+        if not 0 <= i < self._length:
+            raise IndexError(f"sequence {i} out of range for a store of {self._length}")
+        return self.corpus.sequence(i)
+
+    def sequences(self, indices: Sequence[int]) -> list[tuple[Tensor, int, Tensor, Tensor]]:
+        """The sequences ``indices``, as :meth:`sequence` reads each (memory-mapped: no batching to gain)."""
+        return [self.sequence(int(i)) for i in indices]
+
     def sequence(self, i: int) -> tuple[Tensor, int, Tensor, Tensor]:
         """``tokens [T]`` int64, prompt length, ``features [T-1, k, H]`` and ``final [T-1, H]`` fp16.
 

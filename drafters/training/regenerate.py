@@ -121,7 +121,7 @@ def regenerate(
         "target": {"name": target.name, "fingerprint": target.fingerprint()},
         "settings": {
             "decoding": "greedy",
-            "chat_template": True,
+            "chat_template": target.has_chat_template,
             "max_new_tokens": max_new_tokens,
             "max_prompt_tokens": max_prompt_tokens,
             "dtype": dtype_name(target.dtype),

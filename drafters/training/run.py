@@ -22,6 +22,7 @@ from jetflow.drafters.learned import LearnedDrafter
 from jetflow.drafters.training.config import TrainConfig
 from jetflow.drafters.training.curve import CURVE_PLOT, convergence, plot_curve, read_curve
 from jetflow.drafters.training.distributed import DataParallel
+from jetflow.drafters.training.head_options import fitted_head_options
 from jetflow.drafters.training.result import TrainResult
 from jetflow.drafters.training.stores import open_store, resolve_corpora
 from jetflow.drafters.training.trainer import Trainer
@@ -54,12 +55,15 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
     """
     drafter_cls = learned_drafter(config.drafter)
     target = Target.load(config.target, dtype=resolve_dtype("float32"))
-    head = drafter_cls.new_head(target, config.head)
+    head = drafter_cls.new_head(target, fitted_head_options(config.head, target))
     layers = tuple(head.config.feature_layers)
     corpora, eval_corpus = resolve_corpora(config)
     config = config.model_copy(update={"corpus": corpora, "eval_corpus": eval_corpus})  # the data it saw
-    store = open_store(corpora, config.features, layers, target, limit=config.max_sequences)
-    eval_store = open_store([eval_corpus], None, layers, target, purpose="eval") if eval_corpus else None
+    online = config.online  # the target computes the states as they are read: no feature cache
+    store = open_store(corpora, config.features, layers, target, limit=config.max_sequences, online=online)
+    eval_store = None
+    if eval_corpus:
+        eval_store = open_store([eval_corpus], None, layers, target, purpose="eval", online=online)
     info = CheckpointInfo(
         drafter=config.drafter,
         architecture=head.config.model_dump(mode="json"),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from jetflow.cli.main import main
+from jetflow.core.errors import DataError
 from jetflow.core.target import Target
 from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.feature_cache import FeatureStore
@@ -84,3 +85,21 @@ def test_the_heldout_split_makes_an_evaluation_corpus_that_training_refuses(
     assert len(open_store(twice, None, (1, 2), target, purpose="eval", limit=1)) == 1
     assert main([*argv, "--turn", "2"]) == 2
     assert "benchmark set" in capsys.readouterr().err
+
+
+def test_features_of_the_first_sequences_only(
+    tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-sequences N`` fills only the shards a run with ``max_sequences=N`` reads."""
+    _, prompts = tiny
+    out = tmp_path / "corpus"
+    regenerate = ["data", "regenerate", "--source", f"file:{prompts}", "--max-new-tokens", "6"]
+    regenerate += ["--max-prompt-tokens", "20", "--n", "3", "--shard-size", "1", "--no-features"]
+    assert main([*regenerate, "--out", str(out)]) == 0
+    features = ["data", "features", "--corpus", str(out), "--layers", "1,2", "--threads", "1"]
+    assert main([*features, "--max-sequences", "2"]) == 0
+    assert "features of layers [1, 2] for 2 sequences" in capsys.readouterr().out
+    corpus = Corpus(out)
+    assert len(FeatureStore(corpus, (1, 2), limit=2)) == 2
+    with pytest.raises(DataError, match=r"missing or stale for corpus shards \[2\]"):
+        FeatureStore(corpus, (1, 2))
