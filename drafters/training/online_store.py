@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
 from jetflow.drafters.training.contracts import Record
@@ -20,15 +21,24 @@ from jetflow.drafters.training.corpus import Corpus
 from jetflow.drafters.training.features import check_layers, teacher_forced_states
 from torch import Tensor
 
-#: padded tokens per target forward: a step's few sequences fit one batch
-ONLINE_TOKEN_BUDGET = 16384
+#: padded tokens per target forward on an accelerator: a step's few sequences fit one batch
+ACCELERATOR_TOKEN_BUDGET = 16384
+
+
+def forward_token_budget(device: torch.device) -> int:
+    """Padded tokens per online forward: a step's sequences in one padded forward on an
+    accelerator, which one wide forward fills; one sequence per forward on a CPU, where padding
+    to the longest only adds work (4 sequences of the embedded target's corpus: 5.0 s apart,
+    8.2 s padded into one forward, one thread)."""
+    return 1 if device.type == "cpu" else ACCELERATOR_TOKEN_BUDGET
 
 
 class OnlineStore:
     """The sequences of ``corpus`` with ``features`` and ``final`` from a forward of ``target``.
 
-    The target runs in inference mode and in its own dtype; a step's sequences share one
-    padded forward (:meth:`sequences`), which is how the trainer reads them.
+    The target runs in inference mode and in the dtype it was loaded in; the trainer reads a
+    step's sequences in one call (:meth:`sequences`), batched into padded forwards where that
+    pays (:func:`forward_token_budget`).
     """
 
     def __init__(
@@ -37,13 +47,14 @@ class OnlineStore:
         target: Target,
         layers: Sequence[int],
         limit: int | None = None,
-        token_budget: int = ONLINE_TOKEN_BUDGET,
+        token_budget: int | None = None,
     ) -> None:
-        """``limit``: serve the first ``limit`` sequences only; ``token_budget``: padded tokens a forward."""
+        """``limit``: serve the first ``limit`` sequences only; ``token_budget``: padded tokens a
+        forward (default: :func:`forward_token_budget` of the target's device)."""
         self.corpus = corpus
         self.target = target
         self.layers = check_layers(layers, target.num_layers)
-        self.token_budget = token_budget
+        self.token_budget = token_budget or forward_token_budget(target.device)
         self._length = len(corpus) if limit is None else min(len(corpus), limit)
         described = ("source", "target", "settings", "counts", "regeneration")
         #: What the data is, small enough to copy into a checkpoint (no id list).
@@ -70,7 +81,7 @@ class OnlineStore:
 
     def sequences(self, indices: Sequence[int]) -> list[Record]:
         """The sequences ``indices`` with ``features [T-1, k, H]`` and ``final [T-1, H]`` (fp16),
-        from padded target forwards of at most ``token_budget`` tokens each."""
+        from target forwards of at most ``token_budget`` padded tokens each (at least one sequence)."""
         texts = [self.tokens(int(i)) for i in indices]
         features, finals = teacher_forced_states(
             self.target.model, [tokens for tokens, _ in texts], self.layers, self.token_budget

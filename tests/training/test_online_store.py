@@ -20,7 +20,7 @@ from jetflow.drafters.training.examples import ConcatStore, InMemoryStore
 from jetflow.drafters.training.feature_cache import FEATURE_DTYPE
 from jetflow.drafters.training.features import build_features
 from jetflow.drafters.training.head_options import fitted_head_options
-from jetflow.drafters.training.online_store import OnlineStore
+from jetflow.drafters.training.online_store import OnlineStore, forward_token_budget
 from jetflow.drafters.training.stores import open_store
 
 from tests.conftest import make_tiny_target
@@ -62,13 +62,16 @@ class CountingStore:
         return self.store.sequences(indices)
 
 
-def test_online_states_equal_the_feature_cache(corpus: tuple[Target, Corpus], tmp_path: Path) -> None:
+@pytest.mark.parametrize("token_budget", [1, 4096], ids=["apart", "padded-together"])
+def test_online_states_equal_the_feature_cache(
+    corpus: tuple[Target, Corpus], tmp_path: Path, token_budget: int
+) -> None:
     target, data = corpus
     cached = build_features(target, data, LAYERS, folder=tmp_path / "features")
     assert cached is not None
-    online = OnlineStore(data, target, LAYERS)
+    online = OnlineStore(data, target, LAYERS, token_budget=token_budget)
     assert isinstance(online, SequenceStore) and len(online) == len(cached) == 5
-    records = online.sequences([4, 0, 2])  # one padded forward over sequences of different lengths
+    records = online.sequences([4, 0, 2])  # of different lengths
     for index, (tokens, prompt, features, final) in zip([4, 0, 2], records, strict=True):
         want_tokens, want_prompt, want_features, want_final = cached.sequence(index)
         assert torch.equal(tokens, want_tokens) and prompt == want_prompt
@@ -76,6 +79,11 @@ def test_online_states_equal_the_feature_cache(corpus: tuple[Target, Corpus], tm
         torch.testing.assert_close(features, want_features, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(final, want_final, atol=2e-3, rtol=2e-3)
     assert online.manifest["features"] == "online" and online.manifest["feature_layers"] == list(LAYERS)
+
+
+def test_a_cpu_runs_one_sequence_per_forward_an_accelerator_a_step_at_once() -> None:
+    assert forward_token_budget(torch.device("cpu")) == 1
+    assert forward_token_budget(torch.device("cuda")) > 4 * 2048
 
 
 def test_an_online_store_opens_no_feature_cache(corpus: tuple[Target, Corpus], tmp_path: Path) -> None:
