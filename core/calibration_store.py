@@ -14,7 +14,7 @@ from jetflow.core.cache_root import cache_root
 from jetflow.core.calibration_record import SCHEMA_VERSION, Calibration, CalibrationKey
 from jetflow.core.config import DEFAULT_BUDGET
 from jetflow.core.errors import ConfigError
-from jetflow.core.target import DEFAULT_TARGET
+from jetflow.core.model_files import DEFAULT_TARGET
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,9 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 from jetflow.core.errors import ConfigError
+from jetflow.core.model_files import DEFAULT_TARGET, embedded_default_folder
 from jetflow.core.registry import Registry, default_registry
-from jetflow.core.target import DEFAULT_TARGET, Target, embedded_default_folder
+from jetflow.core.target import Target
 from jetflow.drafters.block_head import BlockHead
 from jetflow.drafters.eagle.head import EagleHead
 from jetflow.drafters.learned import LearnedDrafter

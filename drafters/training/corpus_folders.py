@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jetflow.core.target import DEFAULT_TARGET_NAME
+from jetflow.core.model_files import DEFAULT_TARGET_NAME
 from jetflow.drafters.training.corpus import MANIFEST_NAME
 
 

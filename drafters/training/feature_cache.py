@@ -24,9 +24,10 @@ import numpy as np
 import torch
 from filelock import FileLock
 from jetflow.core.atomic import atomic_path, remove_staging_files, write_json_atomic
+from jetflow.core.cache_root import cache_root
 from jetflow.core.errors import DataError
 from jetflow.core.precision import dtype_name
-from jetflow.core.target import Target, cache_root
+from jetflow.core.target import Target
 from jetflow.drafters.training.corpus import Corpus
 from torch import Tensor
 

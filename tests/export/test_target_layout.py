@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from jetflow.core.target import _save_plain
+from jetflow.core.model_files import _save_plain
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
