@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 #: the README's budget: everything longer belongs in an experiment's README or a docstring
-MAX_LINES = 200
+MAX_LINES = 215
 #: the map is near the top: it starts within this many lines
 MAP_WITHIN_LINES = 40
 #: top-level folders that pyproject.toml does not map into the package but the map must show
