@@ -25,6 +25,14 @@ class TrainConfig(BaseModel):
     features: str | None = Field(
         default=None, description="feature cache folder of a single corpus; default: its cache"
     )
+    target_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        default="float32",
+        description=(
+            "dtype the target is loaded in: its frozen embedding and LM head (the teacher) and, online, "
+            "its forward. float32 keeps the teacher exact; a large target trains online in its own "
+            "bfloat16 (half the memory); auto: bfloat16 where it is native"
+        ),
+    )
     online: bool = Field(
         default=False,
         description=(

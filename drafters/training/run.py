@@ -54,7 +54,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
     ``learning_curve.png`` is written beside the log); other processes' results do not.
     """
     drafter_cls = learned_drafter(config.drafter)
-    target = Target.load(config.target, dtype=resolve_dtype("float32"))
+    target = Target.load(config.target, dtype=resolve_dtype(config.target_dtype))
     head = drafter_cls.new_head(target, fitted_head_options(config.head, target))
     layers = tuple(head.config.feature_layers)
     corpora, eval_corpus = resolve_corpora(config)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from jetflow.cli.main import main
+from jetflow.drafters.checkpoint import read_checkpoint
 from jetflow.drafters.training.corpus import Corpus
 
 from tests.conftest import make_tiny_target
@@ -62,16 +63,25 @@ def trained_online(
     return str(summary["checkpoint"])
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen3", "llama"])
+@pytest.mark.parametrize(
+    ("architecture", "target_dtype"), [("qwen3_moe", "bfloat16"), ("qwen3", "float32"), ("llama", "float32")]
+)
 def test_a_new_base_model_from_folder_to_a_lossless_head(
-    architecture: str, isolated_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    architecture: str,
+    target_dtype: str,
+    isolated_cache: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     target = saved_base_model(architecture, tmp_path / "model")
     corpus = regenerated_corpus(target, tmp_path / "corpus", capsys)
     assert Corpus(Path(corpus)).manifest["settings"]["chat_template"] is False, "a base model: raw prompts"
 
-    head = trained_online(target, corpus, tmp_path / "run", capsys, EXPORTABLE_LAYOUT)
+    settings = [*EXPORTABLE_LAYOUT, "--set", f'target_dtype="{target_dtype}"']
+    head = trained_online(target, corpus, tmp_path / "run", capsys, settings)
     assert not (isolated_cache / "features").exists(), "online training writes no feature cache"
+    info, _ = read_checkpoint(head)
+    assert info.data["features"] == "online" and info.data["features_computed_in"] == [target_dtype]
 
     config = tmp_path / "generate.toml"
     config.write_text(f'[drafter_params]\ncheckpoint = "{head}"\n')
