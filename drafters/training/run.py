@@ -1,7 +1,8 @@
 """Training as a library call: ``train(config) -> TrainResult``, everything ``jetflow train`` does.
 
-It loads the target, makes the drafter's head (fresh; the trainer resumes or warm-starts it
-as the config says), opens the feature caches of the corpora, joins the data-parallel group
+It loads the target, makes the drafter's head (fresh, its recipe fitted to the target; the
+trainer resumes or warm-starts it as the config says), opens the corpora's feature caches (or,
+``online``, lets the target compute their states as they are read), joins the data-parallel group
 ``torchrun`` describes (if any), trains, ships the final head and summarises the held-out
 curve beside it. Under ``torchrun`` every process calls it; only the first evaluates and writes.
 """
