@@ -1,6 +1,6 @@
 """The whole path for a target jetflow has never seen, through the CLI: tiny random base models
 (no chat template) saved as model folders are regenerated, trained online, decoded losslessly
-with the head and exported where vLLM's format can hold the head."""
+with the head, benched against plain decoding and exported where vLLM's format can hold the head."""
 
 from __future__ import annotations
 
@@ -90,6 +90,16 @@ def test_a_new_base_model_from_folder_to_a_lossless_head(
     plain = run_json([*generate, "--drafter", "none"], capsys)
     drafted = run_json([*generate, "--config", str(config), "--drafter", "jetflow"], capsys)
     assert drafted["text"] == plain["text"], "decoding with the head is lossless"
+
+    bench_config = tmp_path / "bench.toml"
+    bench_config.write_text(f'baselines = []\n[drafter_params.jetflow]\ncheckpoint = "{head}"\n')
+    bench = ["bench", "--config", str(bench_config), "--target", target, "--drafters", "jetflow"]
+    bench += ["--datasets", f"file:{tmp_path / 'prompts.jsonl'}", "--limit", "2", "--budgets", "4"]
+    bench += ["--max-new-tokens", "8", "--threads", "1", "--no-progress", "--out", str(tmp_path / "bench")]
+    assert main(bench) == 0, capsys.readouterr().err
+    runs = json.loads((tmp_path / "bench" / "results.json").read_text())["runs"]
+    assert {run["method"] for run in runs} >= {"ar", "jetflow"}
+    assert all(run["lossless"] for run in runs), "the bench finds every run lossless"
 
     export = ["export", "--drafter", "jetflow", "--checkpoint", head, "--target", target]
     assert main([*export, "--out", str(tmp_path / "exported")]) == 0, capsys.readouterr().err
