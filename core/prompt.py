@@ -29,6 +29,11 @@ def check_text(text: str, what: str = "the prompt") -> str:
     """
     if not text:
         raise ConfigError(f"{what} is empty")
+    return check_encodable(text, what)
+
+
+def check_encodable(text: str, what: str = "the prompt") -> str:
+    """``text`` if it is encodable as UTF-8 (empty is fine: a turn may be), else a :class:`ConfigError`."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:

@@ -23,7 +23,7 @@ from jetflow.core.kv_cache import is_slab, slab_cache, slab_layers, supports_sla
 from jetflow.core.model_files import DEFAULT_TARGET, load_model
 from jetflow.core.packed_weights import pack_linear_weights
 from jetflow.core.precision import default_device, dtype_name
-from jetflow.core.prompt import check_text
+from jetflow.core.prompt import check_encodable
 from jetflow.core.tree import DraftTree
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
@@ -138,7 +138,7 @@ class Target:
         is encoded as it is. Every path that formats prompts comes here, so they share the rule,
         and text no tokenizer can encode (a lone surrogate) is named here, whoever read it."""
         for text in [prompt] if isinstance(prompt, str) else [turn["content"] for turn in prompt]:
-            check_text(text)
+            check_encodable(text)  # not emptiness: a chat's earlier answer may be empty
         if chat and not self.has_chat_template:
             if not self._raw_prompts_logged:
                 log.warning("%s has no chat template: prompts are encoded as raw text", self.name)

@@ -90,3 +90,13 @@ def test_text_no_tokenizer_can_encode_is_named_wherever_it_was_read() -> None:
         target.encode_prompt("w3 \udcff")
     with pytest.raises(ConfigError, match="lone surrogate"):
         target.encode_prompt([{"role": "user", "content": "w3 \udcff"}])
+
+
+def test_an_empty_earlier_turn_is_encoded_not_refused() -> None:
+    target = make_tiny_target("llama")
+    turns = [
+        {"role": "user", "content": "w3"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "w4"},
+    ]
+    assert target.encode_prompt(turns) == target.encode_prompt("w3\n\n\n\nw4")
