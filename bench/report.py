@@ -86,7 +86,7 @@ def _header(results: BenchResults) -> list[str]:
         lines += ["", f"**Lossless check FAILED: {len(failures)} real divergence(s).**"]
     else:
         ties = sum(run.get("rounding_ties", 0) for run in results.runs)
-        note = f" ({ties} bf16 rounding ties, see below)" if ties else ""
+        note = f" ({ties} rounding ties, see below)" if ties else ""
         against = "its reference's (`ar`; `vllm` for vLLM's methods)" if _has_vllm(results.runs) else "`ar`'s"
         lines += ["", f"Lossless check passed: every method's greedy output equals {against}{note}."]
     return lines
@@ -206,7 +206,7 @@ def _divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
         "",
         "First differing token per prompt turn. `logit gap`: top logit minus the lower of the two "
         "tokens' logits in a teacher-forced forward of ar's tokens; `tie` means both are within the "
-        "tolerance of the top (bf16 rounding), `bug` is a real divergence.",
+        "tolerance of the top (rounding), `bug` is a real divergence.",
         "",
         *_table(header, rows),
     ]

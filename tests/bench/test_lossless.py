@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from jetflow.bench.lossless import LosslessChecker, first_divergence
+from jetflow.bench import lossless
+from jetflow.bench.lossless import FLOAT32_TIE_TOLERANCE, LosslessChecker, first_divergence
 from jetflow.core.target import Target
 
 from tests.bench.conftest import chat_target, words
@@ -62,6 +63,21 @@ def test_a_swap_to_the_runner_up_is_classified_by_its_gap(
     # fp32 is exact: any mismatch is a bug, whatever the tolerance.
     assert loose.kind == ("bug" if dtype == "float32" else "tie")
     assert strict.kind == "bug"
+
+
+def test_fp32_on_packed_weights_classifies_with_the_fp32_tolerance(bench_target: Target, monkeypatch) -> None:
+    """Packed fp32 weights round differently per row count, so divergences are classified there,
+    but a gap wider than fp32 rounding can explain stays a bug."""
+    monkeypatch.setattr(bench_target, "linear_weights", "packed")
+    prompt = bench_target.encode_prompt(words(7, 8, 9, 10, 11))
+    reference = [int(t) for t in _greedy(bench_target, prompt, 6)]
+    _, second, gap = _runner_up(bench_target, prompt, reference[:3])
+    candidate = [*reference[:3], second, 5, 5]
+    checker = LosslessChecker(bench_target, tie_tolerance=math.inf)
+    assert not checker.exact and checker.tie_tolerance == FLOAT32_TIE_TOLERANCE
+    assert checker.check("s", 0, prompt, reference, candidate).kind == ("tie" if gap <= 0.01 else "bug")
+    monkeypatch.setattr(lossless, "FLOAT32_TIE_TOLERANCE", math.inf)
+    assert LosslessChecker(bench_target, math.inf).check("s", 0, prompt, reference, candidate).kind == "tie"
 
 
 def test_identical_outputs_pass_and_an_early_stop_is_a_bug(bf16_target: Target) -> None:

@@ -1,5 +1,6 @@
-"""Linear weights packed once for oneDNN: the same bits as the plain forward, stepping aside
-where the plain forward is needed (autograd, compiling, the peers measured as users run them)."""
+"""Linear weights laid out once for the CPU's kernels: in bf16 the same bits as the plain forward,
+in fp32 the same values to rounding; stepping aside where the plain forward is needed (autograd,
+compiling, the peers measured as users run them)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,27 @@ needs_packing = pytest.mark.skipif(
 )
 
 
-def test_only_cpu_bfloat16_is_packed_and_the_switch_turns_it_off(monkeypatch) -> None:
-    assert make_tiny_target("llama").linear_weights == "plain"  # fp32 keeps MKL's exact path
-    assert "float32" in packing_unavailable(nn.Linear(2, 2))
+needs_fp32_packing = pytest.mark.skipif(
+    packing_unavailable(nn.Linear(2, 2)) is not None,
+    reason=f"no packing here: {packing_unavailable(nn.Linear(2, 2))}",
+)
+
+
+def big_fp32_linear(bias: bool) -> nn.Linear:
+    """A float32 layer at the packing threshold (1 MiB of weights), with a fixed seed."""
+    torch.manual_seed(3)
+    return nn.Linear(512, packed_weights.MIN_FLOAT32_BYTES // (4 * 512), bias=bias).requires_grad_(False)
+
+
+def test_what_is_packed_and_the_switch_turns_it_off(monkeypatch) -> None:
+    assert make_tiny_target("llama").linear_weights == "plain"  # its fp32 weights sit in the cache
+    assert "float16" in packing_unavailable(nn.Linear(2, 2, dtype=torch.float16))
+    small = nn.Linear(512, packed_weights.MIN_FLOAT32_BYTES // (4 * 512) - 1)
+    assert pack_linear_weights(small) == 0 and not is_packed(small)
+    if packing_unavailable(nn.Linear(2, 2)) is None:
+        assert pack_linear_weights(big_fp32_linear(bias=False)) == 1
     monkeypatch.setenv(packed_weights.ENV_SWITCH, "0")
+    assert pack_linear_weights(big_fp32_linear(bias=False)) == 0
     assert tiny_bf16().linear_weights == "plain"
     assert packing_unavailable(nn.Linear(2, 2, dtype=torch.bfloat16)) == "JETFLOW_PACKED_WEIGHTS=0"
 
@@ -97,3 +115,40 @@ def test_autograd_and_compiling_take_the_plain_forward() -> None:
         y = torch.randn(3, 16, dtype=torch.bfloat16)
         assert torch.equal(compiled(y), reference(y))
     assert any("linear" in name for name in traced) and not any("mkldnn" in name for name in traced)
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_agrees_with_the_plain_forward_for_one_row_and_many(bias: bool) -> None:
+    linear = big_fp32_linear(bias)
+    assert pack_linear_weights(linear) == 1
+    x = torch.randn(2, 9, linear.in_features)
+    for rows in (x[:1, :1], x[:1, :5], x, x[0, 0]):  # one row (3-D and 1-D), a tree, a batch
+        with torch.inference_mode():
+            packed = linear(rows)
+            with unpacked(linear):
+                plain = linear(rows)
+        assert packed.shape == plain.shape
+        torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    one = x[0, :1]
+    transposed = linear.weight.t().contiguous()
+    expected = torch.addmm(linear.bias, one, transposed) if bias else one @ transposed
+    with torch.inference_mode():
+        assert torch.equal(linear(one), expected)  # one row: the transposed weight's product
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_the_engine_on_packed_fp32_weights_decodes_what_transformers_does(monkeypatch, drafter: str) -> None:
+    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_BYTES", 0)  # the tiny model's weights too
+    reference = make_tiny_target("llama", seed=5)
+    target = Target(reference.model, tiny_tokenizer(), "tiny-llama-fp32")
+    assert target.linear_weights == "packed"
+    with torch.inference_mode(), unpacked(target.model):
+        out = target.model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
+    fields = {"drafter": drafter, "max_new_tokens": 20}
+    if drafter != "none":
+        fields["tree"] = {"policy": "chain", "budget": 4}
+    result = Engine(build_config(GenerateConfig, fields), target).generate(PROMPT)
+    assert result.token_ids == out[0, len(PROMPT) :].tolist()
+    assert max(step.tree_size for step in result.steps) > 1 or drafter == "none"
