@@ -28,7 +28,11 @@ costs stay calibrated and tau is re-estimated online:
   bonus that suits tau 1.5 is too timid to ever try a larger budget at tau 3.5. So a budget the calibration
   under-rated is found, even past a neighbour that is no better; once a budget has been seen
   often enough to be ruled out it is no longer probed. With a nested policy a probe also
-  refreshes every smaller budget.
+  refreshes every smaller budget. At budget 0 the steps observe nothing and each probe costs a
+  tree's verify, so there a probe that leaves the choice at 0 doubles the interval to the next
+  (up to ``max_probe_every``) and a change of choice resets it: on a machine where no tree pays,
+  probing thins out and the run costs what plain decoding costs. At a drafting choice every step
+  is observed and probes keep their pace.
 * **Choice**: the calibration's own rule (:func:`choose_budget`): the smallest budget whose
   expected tokens per second is within the tolerance of the best.
 
@@ -52,8 +56,10 @@ from scipy.optimize import isotonic_regression
 PRIOR_WEIGHT = 2.0
 #: per-step forgetting factor of the observed means (an effective memory of ~100 steps)
 FORGETTING = 0.99
-#: every this many steps, a larger budget may be probed
+#: every this many steps, a larger budget may be probed ...
 PROBE_EVERY = 4
+#: ... and at most this many apart after probes that changed nothing
+MAX_PROBE_EVERY = 128
 #: the least optimism of a probe in tokens per step (divided by sqrt(observations)): the spread of
 #: a step's emitted tokens where it is measured wider (0.5-0.9 at tau 1.3-1.8, ~1.5 at tau 3.5),
 #: so a budget is no longer probed once a dozen observations place it clearly below the choice
@@ -72,6 +78,7 @@ class AdaptiveBudget:
         prior_weight: float = PRIOR_WEIGHT,
         forgetting: float = FORGETTING,
         probe_every: int = PROBE_EVERY,
+        max_probe_every: int = MAX_PROBE_EVERY,
         optimism: float = OPTIMISM,
         tolerance: float = CHOICE_TOLERANCE,
     ) -> None:
@@ -84,12 +91,15 @@ class AdaptiveBudget:
         self.prior_weight = prior_weight
         self.forgetting = forgetting
         self.probe_every = probe_every
+        self.max_probe_every = max(max_probe_every, probe_every)
+        self._interval = probe_every  # steps from one probe to the next, doubled by idle probes
+        self._since_probe = 0
+        self._probed = False  # the last step asked for was a probe
         self.optimism = optimism
         self.tolerance = tolerance
         self._emitted = np.zeros(len(self.budgets))  # discounted sums of tokens per step
         self._emitted_sq = np.zeros(len(self.budgets))  # ... and of their squares
         self._steps = np.zeros(len(self.budgets))  # discounted step counts
-        self._asked = 0
         self._nested_so_far = True  # every observed step's tree was nested (none observed yet)
         self.choice = self._choose()
 
@@ -137,15 +147,20 @@ class AdaptiveBudget:
 
     def next_budget(self) -> int:
         """The budget of the next step: the choice, or on a probe step a promising larger one."""
-        self._asked += 1
-        if self._asked % self.probe_every:
+        self._since_probe += 1
+        self._probed = False
+        if self._since_probe < self._interval:
             return self.choice
+        self._since_probe = 0
         bonus = self.spread() / np.sqrt(self.prior_weight + self._steps)
         optimistic = (self.tau() + bonus) / self.cost_s
         optimistic[self.budgets <= self.choice] = -np.inf
         probe = int(np.argmax(optimistic))
         current = self.speeds()[int(np.searchsorted(self.budgets, self.choice))]
-        return int(self.budgets[probe]) if optimistic[probe] > current else self.choice
+        if optimistic[probe] <= current:
+            return self.choice
+        self._probed = True
+        return int(self.budgets[probe])
 
     def observe(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
         """Learn from one verified step that ran at ``budget`` and accepted ``path`` (root first)."""
@@ -163,7 +178,11 @@ class AdaptiveBudget:
         self._emitted[seen] += emitted
         self._emitted_sq[seen] += emitted**2
         self._steps[seen] += 1.0
-        self.choice = self._choose()
+        choice, self.choice = self.choice, self._choose()
+        if self.choice != choice:
+            self._interval = self.probe_every
+        elif self._probed and self.choice == 0:  # see the module docstring: only at budget 0
+            self._interval = min(2 * self._interval, self.max_probe_every)
 
     def _choose(self) -> int:
         return choose_budget(self.budgets.tolist(), self.speeds().tolist(), self.tolerance)

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 #: is a plain step; the others are the sizes of full trees of the budgets a first-use
 #: calibration chooses among (a root and B nodes), so a full tree is never padded.
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 3, 5, 9, 16, 32)
+#: where inductor keeps its caches (compiled graphs, autotuning results)
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 #: the upper bound of the symbolic history length (dynamo needs one; no context is this long)
 _LONGEST = 1 << 24
 
@@ -49,8 +51,17 @@ def inductor_cache_dir() -> Path:
 
 
 def _use_jetflow_caches() -> None:
-    """Point inductor's on-disk caches at jetflow's cache folder unless the user chose one."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    """Point inductor's on-disk caches at jetflow's cache folder unless the user chose one.
+
+    Importing triton (the tree-attention module does) already makes torch write its default,
+    a per-user folder under the temporary directory that a reboot empties, into the variable:
+    that value counts as unset, so compiled graphs live with the calibrations that chose them.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(INDUCTOR_CACHE_VARIABLE)
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ[INDUCTOR_CACHE_VARIABLE] = str(inductor_cache_dir())
     import torch._inductor.config as inductor
 
     inductor.fx_graph_cache = True

@@ -138,24 +138,27 @@ class Drafter(Plugin, ABC):
     def reset(self) -> None:
         """Forget per-sequence state; called before each new prompt."""
 
-    # The target features of committed tokens, kept until the next ``begin`` asks: after a
-    # step at budget 0 (nothing drafted) they pile up, and the next context carries them all.
-    _committed: Tensor | None = None
+    # The target features of committed tokens, kept until the next ``begin`` asks: after steps
+    # at budget 0 (nothing drafted) they pile up, and the next context carries them all. A list,
+    # joined once when asked: a run of such steps then costs no copy per step.
+    _committed: list[Tensor] | None = None
 
     def prefill(self, features: Tensor | None) -> None:
         """A new sequence: the features of the prompt the target prefilled (all but its last token)."""
-        self._committed = features
+        self._committed = None if features is None else [features]
 
     def commit(self, features: Tensor | None, path: Tensor) -> None:
         """Mirror of :meth:`Target.commit`: keep the features of the accepted ``path`` of a verify."""
         if features is None:
             return
-        kept = features[path]
-        self._committed = kept if self._committed is None else torch.cat([self._committed, kept])
+        if self._committed is None:
+            self._committed = []
+        self._committed.append(features[path])
 
     def context(self, tokens: Tensor, n_processed: int) -> DraftContext:
         """This step's context: the features committed since the last call (then forgotten)."""
-        features, self._committed = self._committed, None
+        pending, self._committed = self._committed, None
+        features = None if not pending else pending[0] if len(pending) == 1 else torch.cat(pending)
         return DraftContext(tokens, features, n_processed)
 
     @abstractmethod

@@ -104,6 +104,20 @@ def test_it_starts_at_the_calibrated_choice_and_probes_larger_budgets_while_they
     assert [controller.next_budget() for _ in range(8)] == [0] * 8
 
 
+def test_probes_that_change_nothing_come_ever_further_apart() -> None:
+    """A probe costs a larger step: where no tree pays, probing thins out (gaps 4, 8, 16, ...)."""
+    controller = _controller(probe_every=4, optimism=3.0)  # optimistic enough to keep probing
+    probes = []
+    for step in range(130):
+        budget = controller.next_budget()
+        if budget:
+            probes.append(step)
+        controller.observe(_chain([-0.1] * budget), torch.tensor([0]), budget, nested=True)
+    gaps = np.diff([-1, *probes]).tolist()
+    assert controller.choice == 0 and len(gaps) >= 4
+    assert gaps[:4] == [4, 8, 16, 32]
+
+
 def _run_chains(controller: AdaptiveBudget, steps: int, acceptance: float) -> list[int]:
     """Drive ``controller`` over chain trees whose every drafted depth is accepted with
     probability ``acceptance`` (seeded); the budgets it ran, step by step."""

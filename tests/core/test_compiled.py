@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 
 import pytest
 import torch
@@ -143,3 +144,18 @@ def test_imports_point_one_way_from_the_target_to_the_compiled_forward() -> None
         if isinstance(node, ast.ImportFrom)
     }
     assert "jetflow.core.target" not in imported
+
+
+def test_compiled_graphs_are_kept_in_jetflows_cache_unless_the_user_chose_one(tmp_path, monkeypatch) -> None:
+    """torch writes its default (a temporary folder) into the variable when triton is imported:
+    that counts as unset; a folder the user chose is kept."""
+    from jetflow.core import compiled
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("JETFLOW_CACHE", str(tmp_path / "jetflow"))
+    monkeypatch.setenv(compiled.INDUCTOR_CACHE_VARIABLE, default_cache_dir())
+    compiled._use_jetflow_caches()
+    assert os.environ[compiled.INDUCTOR_CACHE_VARIABLE] == str(tmp_path / "jetflow" / "inductor")
+    monkeypatch.setenv(compiled.INDUCTOR_CACHE_VARIABLE, str(tmp_path / "mine"))
+    compiled._use_jetflow_caches()
+    assert os.environ[compiled.INDUCTOR_CACHE_VARIABLE] == str(tmp_path / "mine")
