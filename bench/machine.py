@@ -11,7 +11,7 @@ import platform
 
 import torch
 import transformers
-from jetflow.core.precision import cpu_model, default_device, has_native_bf16
+from jetflow.core.precision import cpu_kernels, cpu_model, default_device, has_native_bf16
 
 from jetflow import __version__
 
@@ -27,6 +27,7 @@ def describe_machine() -> dict[str, object]:
         "device": device.type,
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "native_bf16": has_native_bf16(device),
+        "cpu_kernels": cpu_kernels(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "jetflow": __version__,

@@ -62,7 +62,8 @@ def _header(results: BenchResults) -> list[str]:
         "",
         f"* target: `{results.target}`, dtype `{settings.get('resolved_dtype')}` "
         f"(asked: `{settings.get('dtype')}`)",
-        f"* machine: {machine.get('cpu')}, {accelerator}, native bf16: {machine.get('native_bf16')}; "
+        f"* machine: {machine.get('cpu')}, {accelerator}, native bf16: {machine.get('native_bf16')}, "
+        f"CPU kernels {machine.get('cpu_kernels', 'not recorded')}; "
         f"torch {machine.get('torch')}, transformers {machine.get('transformers')}",
         f"* data: {data_line(results)}; max_new_tokens {settings.get('max_new_tokens')} per turn",
         f"* drafters {', '.join(settings.get('drafters', []))} at budgets "

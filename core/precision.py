@@ -66,6 +66,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: environment variables that cap the instruction set of torch's, MKL's and oneDNN's CPU kernels:
+#: set to AVX2 on an AVX-512 machine (with ``--dtype float32``), they run the kernels of a
+#: processor without native bf16, which is how that path is measured where none is at hand
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def cpu_kernels() -> str:
+    """The instruction set torch's CPU kernels run (``AVX2``, ``AVX512``, ...), with the caps set
+    in the environment (:data:`ISA_CAPS`) after it: figures measured under a cap are emulated."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    return f"{capability} (emulated: {' '.join(caps)})" if caps else capability
+
+
 def cpu_model() -> str:
     """The processor's name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
