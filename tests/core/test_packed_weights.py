@@ -77,10 +77,16 @@ def test_packed_forwards_give_the_plain_forwards_bits(architecture: str) -> None
     assert torch.equal(packed.features, plain.features)
 
 
-@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_the_engine_on_packed_weights_decodes_what_transformers_does(drafter: str) -> None:
-    target = tiny_bf16()
+def test_the_engine_on_packed_weights_decodes_what_transformers_does(
+    monkeypatch, dtype, drafter: str
+) -> None:
+    if (reason := packing_unavailable(nn.Linear(2, 2, dtype=dtype))) is not None:
+        pytest.skip(f"no packing here: {reason}")
+    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_BYTES", 0)  # the tiny model's fp32 weights too
+    target = Target(make_tiny_target("llama", seed=5).model.to(dtype), tiny_tokenizer(), "tiny-llama")
+    assert target.linear_weights == "packed"
     with torch.inference_mode(), unpacked(target.model):
         out = target.model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
     fields = {"drafter": drafter, "max_new_tokens": 20}
@@ -89,6 +95,7 @@ def test_the_engine_on_packed_weights_decodes_what_transformers_does(drafter: st
     result = Engine(build_config(GenerateConfig, fields), target).generate(PROMPT)
     assert result.token_ids == out[0, len(PROMPT) :].tolist()
     assert result.stats()["linear_weights"] == "packed"
+    assert max(step.tree_size for step in result.steps) > 1 or drafter == "none"
 
 
 @needs_packing
@@ -135,20 +142,3 @@ def test_packed_fp32_agrees_with_the_plain_forward_for_one_row_and_many(bias: bo
     expected = torch.addmm(linear.bias, one, transposed) if bias else one @ transposed
     with torch.inference_mode():
         assert torch.equal(linear(one), expected)  # one row: the transposed weight's product
-
-
-@needs_fp32_packing
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_the_engine_on_packed_fp32_weights_decodes_what_transformers_does(monkeypatch, drafter: str) -> None:
-    monkeypatch.setattr(packed_weights, "MIN_FLOAT32_BYTES", 0)  # the tiny model's weights too
-    reference = make_tiny_target("llama", seed=5)
-    target = Target(reference.model, tiny_tokenizer(), "tiny-llama-fp32")
-    assert target.linear_weights == "packed"
-    with torch.inference_mode(), unpacked(target.model):
-        out = target.model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)
-    fields = {"drafter": drafter, "max_new_tokens": 20}
-    if drafter != "none":
-        fields["tree"] = {"policy": "chain", "budget": 4}
-    result = Engine(build_config(GenerateConfig, fields), target).generate(PROMPT)
-    assert result.token_ids == out[0, len(PROMPT) :].tolist()
-    assert max(step.tree_size for step in result.steps) > 1 or drafter == "none"

@@ -1,4 +1,9 @@
-"""Lossless greedy decoding on the real target against ``transformers.generate`` (fp32, exact)."""
+"""Lossless greedy decoding on the real target against ``transformers.generate`` (fp32).
+
+Exact on the plain kernels. Packed fp32 weights (every CPU's default) multiply one row and a
+tree's rows with different kernels, so there a divergence is classified as the bench does: a
+rounding tie within the fp32 tolerance passes, anything else fails.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jetflow.bench.lossless import DEFAULT_TIE_TOLERANCE, LosslessChecker
 from jetflow.core import calibration as cal
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
@@ -19,6 +25,11 @@ pytestmark = pytest.mark.integration
 NEW_TOKENS = 128
 # the previous jetflow recipe's converged head, trained for the refresh (the shipped one is not)
 PATH_CONDITIONED_HEAD = Path(__file__).parents[1] / "fixtures/heads/jetflow-forward-kl"
+
+
+def assert_lossless(target: Target, sample: str, ids: list[int], expected: list[int], got: list[int]) -> None:
+    divergence = LosslessChecker(target, DEFAULT_TIE_TOLERANCE).check(sample, 0, ids, expected, got)
+    assert divergence is None or divergence.kind == "tie", f"{sample}: differs from generate: {divergence}"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +59,7 @@ def test_speculative_output_equals_generate_fp32(
     accepted = 0
     for sample_id, ids, expected in cases[half::2]:
         result = engine.generate(ids)
-        assert result.token_ids == expected, f"{sample_id}: speculative output differs from generate"
+        assert_lossless(real_target, sample_id, ids, expected, result.token_ids)
         accepted += sum(step.accepted for step in result.steps)
     assert accepted > 0, "the drafter never got a token accepted: trees were not exercised"
 
@@ -73,7 +84,7 @@ def test_shipped_heads_are_lossless_fp32(
     accepted = 0
     for sample_id, ids, expected in cases[::4]:
         result = engine.generate(ids)
-        assert result.token_ids == expected, f"{sample_id}: {drafter} output differs from generate"
+        assert_lossless(real_target, sample_id, ids, expected, result.token_ids)
         accepted += sum(step.accepted for step in result.steps)
     assert accepted > 0, f"{drafter} never got a token accepted"
 
@@ -92,7 +103,7 @@ def test_an_adaptive_budget_is_lossless_while_it_switches_budgets(
     used: set[int] = set()
     for sample_id, ids, expected in cases[::3]:
         result = engine.generate(ids)
-        assert result.token_ids == expected, f"{sample_id}: adaptive output differs from generate"
+        assert_lossless(real_target, sample_id, ids, expected, result.token_ids)
         used |= {step.budget for step in result.steps}
     assert 0 in used and len(used) > 1, f"the budget never switched: {used}"
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from jetflow.bench.runner import turn_prompt_ids
 from jetflow.core.errors import DataError
+from jetflow.core.packed_weights import unpacked
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
 from jetflow.data import prompt_sets
@@ -41,7 +42,7 @@ def test_answers_equal_transformers_generate(corpus: Corpus, real_target: Target
     tokens, prompt_length = corpus.sequence(index)
     prompt = tokens[None, :prompt_length]
     new_tokens = corpus.manifest["settings"]["max_new_tokens"]
-    with torch.inference_mode():
+    with torch.inference_mode(), unpacked(real_target.model):  # the corpus was made on plain kernels
         out = real_target.model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     assert out[0, prompt_length:].tolist() == tokens[prompt_length:].tolist()
 
@@ -100,7 +101,7 @@ def test_second_turns_follow_the_first_answers_as_the_benchmark_builds_turn_two(
     tokens, prompt_length = second_turns.sequence(0)
     assert tuple(tokens[:prompt_length].tolist()) == expected
     new_tokens = second_turns.manifest["settings"]["max_new_tokens"]
-    with torch.inference_mode():
+    with torch.inference_mode(), unpacked(real_target.model):
         out = real_target.model.generate(
             tokens[None, :prompt_length], max_new_tokens=new_tokens, do_sample=False
         )
@@ -124,7 +125,7 @@ def test_the_evaluation_corpus_answers_held_out_conversations_only(
     assert not set(heldout.ids) & training
     tokens, prompt_length = heldout.sequence(0)
     new_tokens = heldout.manifest["settings"]["max_new_tokens"]
-    with torch.inference_mode():
+    with torch.inference_mode(), unpacked(real_target.model):
         out = real_target.model.generate(
             tokens[None, :prompt_length], max_new_tokens=new_tokens, do_sample=False
         )
