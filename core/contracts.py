@@ -158,7 +158,9 @@ class Drafter(Plugin, ABC):
     def context(self, tokens: Tensor, n_processed: int) -> DraftContext:
         """This step's context: the features committed since the last call (then forgotten)."""
         pending, self._committed = self._committed, None
-        features = None if not pending else pending[0] if len(pending) == 1 else torch.cat(pending)
+        features = None
+        if pending:  # one piece (the usual step) is handed on as it is, without a copy
+            features = pending[0] if len(pending) == 1 else torch.cat(pending)
         return DraftContext(tokens, features, n_processed)
 
     @abstractmethod

@@ -56,11 +56,14 @@ class PackedLinear:
     ``F.linear``'s own).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, transposed: Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        #: ``weight.T`` contiguous, for one-row products (float32 only)
-        self.transposed = weight.detach().t().contiguous() if weight.dtype == torch.float32 else None
+        #: ``weight.T`` contiguous, for one-row products (float32 only); a caller that keeps one
+        #: already (the drafters' LM head) passes it in rather than holding two
+        self.transposed: Tensor | None = None
+        if weight.dtype == torch.float32:
+            self.transposed = weight.detach().t().contiguous() if transposed is None else transposed
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.requires_grad or torch.compiler.is_compiling() or x.dtype != self.packed.dtype:
@@ -97,10 +100,13 @@ def _worth_packing(weight: Tensor) -> bool:
     return weight.dtype != torch.float32 or weight.numel() * weight.element_size() >= MIN_FLOAT32_BYTES
 
 
-def packed_or_plain(weight: Tensor, bias: Tensor | None = None) -> PackedLinear | None:
-    """A :class:`PackedLinear` of ``weight`` where packing serves it, else None."""
+def packed_or_plain(
+    weight: Tensor, bias: Tensor | None = None, transposed: Tensor | None = None
+) -> PackedLinear | None:
+    """A :class:`PackedLinear` of ``weight`` where packing serves it, else None; ``transposed``:
+    the caller's own contiguous ``weight.T``, reused for one-row products."""
     if packing_unavailable(weight) is None and _worth_packing(weight):
-        return PackedLinear(weight, bias)
+        return PackedLinear(weight, bias, transposed)
     return None
 
 

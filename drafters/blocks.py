@@ -214,7 +214,8 @@ class DraftLMHead:
             tokens = tokens.to(weight.device)
             weight = weight[tokens]
             bias = None if bias is None else bias[tokens]
-        return cls(weight.T.contiguous(), bias, tokens, packed_or_plain(weight, bias))
+        weight_t = weight.T.contiguous()
+        return cls(weight_t, bias, tokens, packed_or_plain(weight, bias, transposed=weight_t))
 
     @property
     def size(self) -> int:
