@@ -42,13 +42,13 @@ seeded sampled generation on a fresh engine is reproducible.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from jetflow.core.calibration_record import Calibration
-from jetflow.core.cost_model import CHOICE_TOLERANCE, choose_budget
+from jetflow.core.cost_model import CHOICE_TOLERANCE, batch_step_cost, choose_budget
 from jetflow.core.tree import DraftTree
 from scipy.optimize import isotonic_regression
 
@@ -81,10 +81,15 @@ class AdaptiveBudget:
         max_probe_every: int = MAX_PROBE_EVERY,
         optimism: float = OPTIMISM,
         tolerance: float = CHOICE_TOLERANCE,
+        batch_cost: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         order = np.argsort(np.asarray(budgets), kind="stable")
         self.budgets = np.asarray(budgets, dtype=np.int64)[order]
         self.cost_s = np.asarray(cost_s, dtype=float)[order]
+        self._single_cost_s = self.cost_s
+        #: a step's cost per candidate budget (in ``budgets`` order) at a number of rows > 1
+        self._batch_cost = (lambda rows: batch_cost(rows)[order]) if batch_cost is not None else None
+        self.rows = 1
         self.prior_tau = np.asarray(prior_tau, dtype=float)[order]
         if len(self.budgets) == 0 or np.any(self.cost_s <= 0) or len(set(self.budgets.tolist())) < len(order):
             raise ValueError("an adaptive budget needs distinct budgets with positive costs")
@@ -107,10 +112,21 @@ class AdaptiveBudget:
     def from_calibration(cls, calibration: Calibration, **options: Any) -> AdaptiveBudget:
         """Candidates are the calibration's measured budgets (budget 0, no drafting, among them)."""
         points = calibration.points
+
+        def batch_cost(rows: int) -> np.ndarray:
+            return batch_step_cost(
+                calibration.tree_sizes,
+                [ms / 1e3 for ms in calibration.verify_latency_ms],
+                [p.mean_tree_size for p in points],
+                [p.draft_ms / 1e3 for p in points],
+                rows,
+            )
+
         return cls(
             [p.budget for p in points],
             [(p.draft_ms + p.verify_ms) / 1e3 for p in points],
             [p.tau for p in points],
+            batch_cost=batch_cost,
             **options,
         )
 
@@ -145,8 +161,12 @@ class AdaptiveBudget:
     def expected_tokens_per_s(self) -> dict[int, float]:
         return dict(zip(self.budgets.tolist(), self.speeds().tolist(), strict=True))
 
-    def next_budget(self) -> int:
-        """The budget of the next step: the choice, or on a probe step a promising larger one."""
+    def next_budget(self, rows: int = 1) -> int:
+        """The budget per sequence of the next step of ``rows`` sequences: the choice, or on a
+        probe step a promising larger one. More rows make a step's verify cost more (the forward
+        holds every row's tree), so the choice shrinks toward 0 as the batch grows."""
+        if rows != self.rows:
+            self._use_rows(rows)
         self._since_probe += 1
         self._probed = False
         if self._since_probe < self._interval:
@@ -183,6 +203,17 @@ class AdaptiveBudget:
             self._interval = self.probe_every
         elif self._probed and self.choice == 0:  # see the module docstring: only at budget 0
             self._interval = min(2 * self._interval, self.max_probe_every)
+
+    def _use_rows(self, rows: int) -> None:
+        """Price the candidates for steps of ``rows`` sequences (tau per sequence is unchanged)."""
+        self.rows = rows
+        if rows == 1 or self._batch_cost is None:
+            self.cost_s = self._single_cost_s
+        else:
+            self.cost_s = np.maximum(self._batch_cost(rows), 1e-9)
+        choice, self.choice = self.choice, self._choose()
+        if self.choice != choice:
+            self._interval = self.probe_every
 
     def _choose(self) -> int:
         return choose_budget(self.budgets.tolist(), self.speeds().tolist(), self.tolerance)

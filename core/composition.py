@@ -29,6 +29,7 @@ drafter); the registry resolves a name ``a+b`` through :func:`compose`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -221,16 +222,48 @@ class ComposedDrafter(Drafter):
             drafter.reset()
         self.hit_rate.reset()
 
+    def for_row(self) -> ComposedDrafter:
+        """A row of a batch: its own parts (each a row of the part here) and its own hit rate."""
+        row = copy.copy(self)
+        row._committed = None
+        row.drafters = [drafter.for_row() for drafter in self.drafters]
+        row.hit_rate = HitRate(self.params.prior, self.params.prior_strength)
+        return row
+
     def begin(self, context: DraftContext) -> ComposedSession:
-        self.hit_rate.update(context.tokens)
+        return self._begin_rows([self], [context])[0]
+
+    def begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[DraftSession]:
+        """Each part begins all rows at once (one batched forward of a head), then each row composes."""
+        return list(self._begin_rows(rows, contexts))
+
+    def _begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[ComposedSession]:
+        composed = [self._own_row(row) for row in rows]
+        for row, context in zip(composed, contexts, strict=True):
+            row.hit_rate.update(context.tokens)
+        per_part = [
+            drafter.begin_rows([row.drafters[i] for row in composed], [_part(c, columns) for c in contexts])
+            for i, (drafter, columns) in enumerate(zip(self.drafters, self._columns, strict=True))
+        ]
         sessions = []
-        for drafter, columns in zip(self.drafters, self._columns, strict=True):
-            features = None
-            if context.features is not None and columns:
-                features = context.features[:, columns]
-            sessions.append(drafter.begin(DraftContext(context.tokens, features, context.n_processed)))
-        record = self.hit_rate.expect(context.tokens.shape[0] - 1)
-        return ComposedSession(sessions, self.hit_rate.weight, record)
+        for j, (row, context) in enumerate(zip(composed, contexts, strict=True)):
+            record = row.hit_rate.expect(context.tokens.shape[0] - 1)
+            sessions.append(ComposedSession([part[j] for part in per_part], row.hit_rate.weight, record))
+        return sessions
+
+    def _own_row(self, row: Drafter) -> ComposedDrafter:
+        """``row`` as a row of this drafter (made by :meth:`for_row`): the same parts' classes."""
+        if not isinstance(row, ComposedDrafter) or row.parts != self.parts:
+            raise TypeError(f"{self.name}: begin_rows takes rows made by this drafter's for_row()")
+        return row
+
+
+def _part(context: DraftContext, columns: list[int]) -> DraftContext:
+    """A part's context: the composition's features narrowed to the part's own layers."""
+    features = None
+    if context.features is not None and columns:
+        features = context.features[:, columns]
+    return DraftContext(context.tokens, features, context.n_processed)
 
 
 def _field(name: str) -> str:

@@ -81,6 +81,11 @@ class TreeConfig(_Frozen):
     )
     width: int = Field(4, ge=1, description="children proposed per expanded node")
     max_depth: int = Field(16, ge=1, description="deepest tree level")
+    split: Literal["best-first", "equal"] = Field(
+        "best-first",
+        description="how a batch shares its nodes (budget x rows): the best expected acceptance over "
+        "every row's tree (nested policies), or the budget for each row",
+    )
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -95,6 +100,9 @@ class GenerateConfig(_Frozen):
     verifier: str = "greedy"
     verifier_params: dict[str, Any] = Field(default_factory=dict)
     max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(
+        8, ge=1, description="sequences decoded at once when several prompts are given (continuous batching)"
+    )
     stop: tuple[str, ...] = Field((), description="stop strings; generation ends right after one")
     stop_at_eos: bool = True
     chat_template: bool = True

@@ -9,7 +9,9 @@ its own parameters from the run config.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
@@ -137,6 +139,26 @@ class Drafter(Plugin, ABC):
 
     def reset(self) -> None:
         """Forget per-sequence state; called before each new prompt."""
+
+    def for_row(self) -> Drafter:
+        """A drafter for one more sequence of a batch: this one's weights, its own fresh state.
+
+        A shallow copy, then :meth:`reset`: right for a drafter whose per-sequence state is
+        (re)assigned by ``reset``. One that holds other mutable per-sequence objects (or
+        sub-drafters) overrides this to give the row its own.
+        """
+        row = copy.copy(self)
+        row._committed = None
+        row.reset()
+        return row
+
+    def begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[DraftSession]:
+        """Start one decoding step for several sequences at once (``rows`` made by :meth:`for_row`).
+
+        By default each row begins alone; a drafter with a model overrides this to answer every
+        row in one batched forward. Sessions come back in the order of ``rows``.
+        """
+        return [row.begin(context) for row, context in zip(rows, contexts, strict=True)]
 
     # The target features of committed tokens, kept until the next ``begin`` asks: after steps
     # at budget 0 (nothing drafted) they pile up, and the next context carries them all. A list,

@@ -62,3 +62,31 @@ def past_the_peak(speeds: Sequence[float], fraction: float = EARLY_STOP_FRACTION
         return False
     best = max(speeds)
     return all(speed < fraction * best for speed in speeds[-2:])
+
+
+def extrapolate_latency(
+    sizes: Sequence[int], latency_s: Sequence[float], at: Sequence[float] | np.ndarray
+) -> np.ndarray:
+    """``T`` at ``at`` tokens: interpolated between measured sizes, and past the largest on the
+    slope of the last two (a verify of many rows' trees is a forward of that many tokens)."""
+    sizes_a, latency_a = np.asarray(sizes, dtype=float), np.asarray(latency_s, dtype=float)
+    at_a = np.asarray(at, dtype=float)
+    inside = np.interp(at_a, sizes_a, latency_a)
+    if len(sizes_a) < 2:
+        return inside
+    slope = max((latency_a[-1] - latency_a[-2]) / (sizes_a[-1] - sizes_a[-2]), 0.0)
+    return np.where(at_a > sizes_a[-1], latency_a[-1] + slope * (at_a - sizes_a[-1]), inside)
+
+
+def batch_step_cost(
+    sizes: Sequence[int],
+    latency_s: Sequence[float],
+    tree_size: Sequence[float],
+    draft_s: Sequence[float],
+    rows: int,
+) -> np.ndarray:
+    """Seconds of one step of ``rows`` sequences at each budget: one verify forward of every
+    row's tree (``T`` at the sum of their sizes, the flattened forward's tokens) and each row's
+    drafting (an upper bound: the head runs once for all rows, the trees are built per row)."""
+    verify = extrapolate_latency(sizes, latency_s, rows * np.asarray(tree_size, dtype=float))
+    return verify + rows * np.asarray(draft_s, dtype=float)

@@ -7,12 +7,10 @@ autoregressive baseline every speedup is measured against.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-import torch
 from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration_record import CalibrationKey
 from jetflow.core.calibration_store import BudgetSource, compiling_pays, resolve_budget
@@ -22,11 +20,13 @@ from jetflow.core.contracts import (
     CountedSession,
     DraftContext,
     Drafter,
+    DraftSession,
     RefinableSession,
     TreePolicy,
     TreeShape,
     Verifier,
 )
+from jetflow.core.decoding import BatchRun
 from jetflow.core.errors import ConfigError, TargetError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.prompt import Prompt, check_messages, check_text, check_token_ids, prompt_items
@@ -129,79 +129,47 @@ class Engine:
     def generate(self, prompt: Prompt, max_new_tokens: int | None = None) -> GenerationResult:
         """Decode ``prompt`` (text, chat messages or token ids) until a stop condition.
 
-        ``max_new_tokens`` (>= 1) overrides the config's for this call. The drafter and the
-        adaptive budget keep per-sequence state, so one engine decodes one sequence at a time:
-        callers on several threads are served in turn, each exactly as if it were alone.
+        ``max_new_tokens`` (>= 1) overrides the config's for this call. One engine runs one
+        generation (or batch) at a time: callers on several threads are served in turn, each
+        exactly as if it were alone.
         """
-        with self._serving:
-            return self._generate(prompt, max_new_tokens)
+        return self.generate_batch([prompt], max_new_tokens, batch_size=1)[0]
 
-    def _generate(self, prompt: Prompt, max_new_tokens: int | None) -> GenerationResult:
+    def generate_batch(
+        self, prompts: Sequence[Prompt], max_new_tokens: int | None = None, batch_size: int | None = None
+    ) -> list[GenerationResult]:
+        """Decode every prompt, ``batch_size`` (default: the config's) at a time; results in input order.
+
+        Every step verifies one tree per sequence in flight, all in one target forward; a
+        sequence that finishes hands its row to the next waiting prompt (continuous batching).
+        Each sequence's greedy output is what it gives alone.
+        """
         limit = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        ids = self.prompt_ids(prompt)
-        context_needed = len(ids) + limit + self.largest_budget + 1
-        if context_needed > self.target.context_length:
+        rows = self.config.batch_size if batch_size is None else batch_size
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(prompts, str | Mapping) or not isinstance(prompts, Sequence):
+            raise ConfigError("generate_batch takes a list of prompts")
+        if not prompts:
+            return []
+        encoded = [self.prompt_ids(prompt) for prompt in prompts]  # every prompt checked before any work
+        needed = [self._positions_needed(ids, limit) for ids in encoded]
+        with self._serving:
+            return BatchRun(self, encoded, limit, min(rows, len(encoded)), max(needed)).run()
+
+    def _positions_needed(self, ids: list[int], limit: int) -> int:
+        """Cache positions a prompt needs (its tokens, its answer, the largest tree), checked
+        against the target's context window."""
+        needed = len(ids) + limit + self.largest_budget + 1
+        if needed > self.target.context_length:
             raise TargetError(
                 f"the prompt has {len(ids)} tokens; with max_new_tokens={limit} and a tree of "
-                f"{self.largest_budget} it needs {context_needed} positions, but the target's "
+                f"{self.largest_budget} it needs {needed} positions, but the target's "
                 f"context window is {self.target.context_length}"
             )
-        device = self.target.device  # every tensor of the loop lives there, the generator too
-        generator = torch.Generator(device).manual_seed(self.config.seed)
-        self.policy.reset(generator)  # one seeded generator per run: sampled trees and acceptance
-        drafter = self.drafter if self.drafting else None  # None: each step verifies the root alone
-        layers = drafter.feature_layers if drafter is not None else ()
-        if drafter is not None:
-            drafter.reset()
-
-        start = time.perf_counter()
-        tokens = torch.tensor(ids, dtype=torch.long, device=device)
-        cache, features = self.target.prefill(tokens[:-1], layers, capacity=context_needed)
-        if drafter is not None:
-            drafter.prefill(features)
-        prefill_s = time.perf_counter() - start
-        new: list[int] = []
-        steps: list[StepRecord] = []
-        finish: FinishReason | None = None
-        while finish is None:
-            budget = self.adaptive.next_budget() if self.adaptive else self.largest_budget
-            t0 = time.perf_counter()
-            if drafter is not None and budget > 0:
-                context = drafter.context(tokens, cache.get_seq_length())
-                tree, forwards, nested = self._draft(drafter, context, budget)
-            else:
-                tree, forwards, nested = DraftTree.root(tokens[-1]), 0, True
-            t1 = time.perf_counter()
-            n_cached = cache.get_seq_length()
-            out = self.target.verify(cache, tree, layers)
-            decision = self.verifier.accept(tree, out.logits, generator)
-            self.target.commit(cache, n_cached, decision.path)
-            if drafter is not None:  # after a step at budget 0 too: the next context carries both
-                drafter.commit(out.features, decision.path)
-            t2 = time.perf_counter()
-
-            if self.adaptive:
-                self.adaptive.observe(tree, decision.path, budget, nested)
-            emitted = [*tree.tokens[decision.path[1:]].tolist(), decision.next_token]
-            steps.append(StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards, budget))
-            emitted, finish = self._truncate(new, emitted, limit)
-            new.extend(emitted)
-            tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long, device=device)])
-        wall = time.perf_counter() - start
-        return GenerationResult(
-            prompt_ids=ids,
-            token_ids=new,
-            text=self.target.decode(new),
-            finish_reason=finish,
-            wall_s=wall,
-            prefill_s=prefill_s,
-            budget=self._budget_run(steps),
-            steps=steps,
-            attention=self.target.attention,
-            linear_weights=self.target.linear_weights,
-        )
+        return needed
 
     def _budget_run(self, steps: Sequence[StepRecord]) -> int | None:
         """The budget of a run: the fixed one, or the one an adaptive run used most."""
@@ -209,8 +177,10 @@ class Engine:
             return self.budget
         return Counter(step.budget for step in steps).most_common(1)[0][0]
 
-    def _draft(self, drafter: Drafter, context: DraftContext, budget: int) -> tuple[DraftTree, int, bool]:
-        """This step's tree, the drafter forwards it cost, and whether the tree is nested.
+    def _build(
+        self, policy: TreePolicy, session: DraftSession, context: DraftContext, budget: int
+    ) -> tuple[DraftTree, int, bool]:
+        """A row's tree from its ``session``, the drafter forwards it cost, and whether it is nested.
 
         Nested (:attr:`TreePolicy.nested`): its ``b`` best nodes are the tree of budget ``b``.
         A session offering ``refine`` gets the built tree back and the policy builds again
@@ -219,12 +189,11 @@ class Engine:
         """
         root = DraftTree.root(context.tokens[-1])
         shape = replace(self.shape, budget=budget)
-        session = drafter.begin(context)
-        tree = self.policy.build(session, root, shape)
-        nested = self.policy.nested
+        tree = policy.build(session, root, shape)
+        nested = policy.nested
         if isinstance(session, RefinableSession):
             session = session.refine(tree)
-            tree = self.policy.build(session, root, shape)
+            tree = policy.build(session, root, shape)
             nested = False
         forwards = session.forwards if isinstance(session, CountedSession) else 0
         return tree, forwards, nested

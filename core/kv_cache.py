@@ -13,13 +13,18 @@ compiled target (:mod:`jetflow.core.compiled`) writes the same storage from insi
 from __future__ import annotations
 
 import torch
+from jetflow.attention.ragged_attention import LAYOUT_KEYWORD, RaggedRows
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
 class SlabLayer(DynamicLayer):
-    """A ``DynamicLayer`` over preallocated storage ``[batch, kv_heads, capacity, head_dim]``."""
+    """A ``DynamicLayer`` over preallocated storage ``[batch, kv_heads, capacity, head_dim]``.
+
+    Each row has its own length (:attr:`lengths`); ``keys``/``values`` expose the first
+    ``max(lengths)`` positions of every row, and a reader masks what a shorter row has not written.
+    """
 
     # views of the slabs, set from construction on (a plain layer's are None until its first update)
     keys: Tensor
@@ -30,7 +35,14 @@ class SlabLayer(DynamicLayer):
         self.key_slab, self.value_slab = key_slab, value_slab
         self.device = key_slab.device
         self.is_initialized = True
+        #: the layout of the last ragged write (None after a contiguous one): the target checks
+        #: every layer saw the forward's layout
+        self.last_layout: RaggedRows | None = None
         self.set_length(0)
+
+    @property
+    def rows(self) -> int:
+        return int(self.key_slab.shape[0])
 
     @property
     def capacity(self) -> int:
@@ -38,18 +50,36 @@ class SlabLayer(DynamicLayer):
 
     @property
     def length(self) -> int:
+        """The longest row's length (the width of ``keys``)."""
         return int(self.keys.shape[-2])
 
     def set_length(self, length: int) -> None:
-        """Expose the first ``length`` positions as the cached keys and values."""
-        self.keys = self.key_slab[:, :, :length]
-        self.values = self.value_slab[:, :, :length]
+        """Every row holds its first ``length`` positions."""
+        self.set_lengths([length] * self.rows)
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Row ``r`` holds its first ``lengths[r]`` positions."""
+        self.lengths = list(lengths)
+        width = max(self.lengths)
+        self.keys = self.key_slab[:, :, :width]
+        self.values = self.value_slab[:, :, :width]
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Never needed: the storage exists from construction."""
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        start = self.keys.shape[-2]
+        """Append ``[batch, kv_heads, n, head_dim]`` after the longest row; or, in a ragged forward
+        (``key_states [1, kv_heads, S, head_dim]``), each token at its own row's next position."""
+        layout = kwargs.get("kwargs", {}).get(LAYOUT_KEYWORD)
+        self.last_layout = layout
+        if layout is not None:
+            self.reserve(layout.width)
+            rows, positions = layout.token_rows, layout.token_positions
+            self.key_slab[rows, :, positions] = key_states[0].transpose(0, 1)
+            self.value_slab[rows, :, positions] = value_states[0].transpose(0, 1)
+            self.set_lengths((layout.starts + layout.counts).tolist())
+            return self.keys, self.values
+        start = self.length
         stop = start + key_states.shape[-2]
         self.reserve(stop)
         self.key_slab[:, :, start:stop] = key_states
@@ -61,7 +91,7 @@ class SlabLayer(DynamicLayer):
         """Make room for ``positions`` in all; a full slab doubles (one copy, amortised)."""
         if positions <= self.capacity:
             return
-        length, capacity = self.length, max(positions, 2 * self.capacity)
+        length, lengths, capacity = self.length, self.lengths, max(positions, 2 * self.capacity)
         grown = [
             slab.new_zeros((*slab.shape[:2], capacity, slab.shape[-1]))
             for slab in (self.key_slab, self.value_slab)
@@ -69,13 +99,28 @@ class SlabLayer(DynamicLayer):
         for new, old in zip(grown, (self.key_slab, self.value_slab), strict=True):
             new[:, :, :length] = old[:, :, :length]
         self.key_slab, self.value_slab = grown
-        self.set_length(length)
+        self.set_lengths(lengths)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` positions (transformers' negative-count convention)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
-        self.set_length(self.length + tokens_to_remove)
+        self.set_lengths([max(length + tokens_to_remove, 0) for length in self.lengths])
+
+    def keep_rows(self, starts: list[int], sources: Tensor, kept: list[int]) -> None:
+        """Per row ``r``: move positions ``sources[r, :kept[r]]`` (absolute, ascending) to
+        ``starts[r], starts[r] + 1, ...``; row ``r`` then holds ``starts[r] + kept[r]`` positions.
+
+        ``sources [rows, k]`` is padded past ``kept[r]`` with any positions of the row's own
+        tree: what they copy lands beyond the row's new length, where nothing reads it.
+        """
+        device = self.key_slab.device
+        rows = torch.arange(self.rows, device=device)[:, None]
+        sources = sources.to(device)
+        targets = torch.tensor(starts, device=device)[:, None] + torch.arange(sources.shape[1], device=device)
+        self.key_slab[rows, :, targets] = self.key_slab[rows, :, sources]
+        self.value_slab[rows, :, targets] = self.value_slab[rows, :, sources]
+        self.set_lengths([start + count for start, count in zip(starts, kept, strict=True)])
 
     def keep(self, start: int, source: Tensor) -> None:
         """Move positions ``source`` (absolute, ascending) to ``start, start + 1, ...`` and drop the rest.
@@ -93,6 +138,10 @@ class SlabLayer(DynamicLayer):
         stop = start + keys.shape[-2]
         self.key_slab[rows, :, start:stop] = keys
         self.value_slab[rows, :, start:stop] = values
+        lengths = list(self.lengths)
+        for row in rows.tolist() if isinstance(rows, Tensor) else [rows]:
+            lengths[row] = stop
+        self.set_lengths(lengths)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.compact(indices, 0)
@@ -103,10 +152,10 @@ class SlabLayer(DynamicLayer):
         Attention reads every cached column, so padding that no remaining row needs is
         pure cost; positions are explicit, so the later tokens' rotary phases do not move.
         """
-        length = self.keys.shape[-2]
+        lengths = [self.lengths[row] - drop_front for row in rows.tolist()]
         self.key_slab = self.key_slab[rows, :, drop_front:]
         self.value_slab = self.value_slab[rows, :, drop_front:]
-        self.set_length(length - drop_front)
+        self.set_lengths(lengths)
 
     def reset(self) -> None:
         self.set_length(0)

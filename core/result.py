@@ -20,7 +20,10 @@ class StepRecord:
         verify_s: seconds spent in the target forward, acceptance and cache commit.
         draft_forwards: drafter model forwards run to build the tree (a session's ``forwards``;
             0 for a model-free drafter, 1 for a parallel head, one per level for EAGLE).
-        budget: the step's tree budget (0 when nothing was drafted).
+        budget: the nodes drafted for this sequence this step (0 when nothing was drafted).
+        rows: sequences verified in the step's one target forward (1 unbatched).
+        batch_budget: the nodes drafted for all of them (``budget`` unbatched): the split of
+            ``batch_budget`` across the rows is each one's ``budget``.
     """
 
     accepted: int
@@ -29,6 +32,8 @@ class StepRecord:
     verify_s: float
     draft_forwards: int = 0
     budget: int = 0
+    rows: int = 1
+    batch_budget: int = 0
 
 
 @dataclass

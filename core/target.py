@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from jetflow.attention.ragged_attention import LAYOUT_KEYWORD, RaggedRows, enable_ragged_attention
 from jetflow.attention.verify_attention import select_verify_attention, verify_mask
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.errors import TargetError
@@ -162,13 +163,48 @@ class Target:
         """Verify through ``compiled`` (None: eagerly) from now on; slab caches only."""
         self.compiled = compiled
 
-    def new_cache(self, capacity: int | None = None) -> DynamicCache:
-        """A KV cache: a slab of ``capacity`` positions written in place (it grows if outrun),
-        or transformers' ``DynamicCache`` without a capacity or for layers a slab cannot hold."""
+    def new_cache(self, capacity: int | None = None, rows: int = 1) -> DynamicCache:
+        """A KV cache: a slab of ``rows`` sequences of ``capacity`` positions written in place (it
+        grows if outrun), or transformers' ``DynamicCache`` without a capacity or for layers a
+        slab cannot hold (one sequence only)."""
         cache = DynamicCache(config=self.config)
         if capacity is None or not supports_slab(cache):
+            if rows > 1:
+                raise TargetError(
+                    f"{self.name} has layers a slab cache cannot hold: it decodes one sequence at a time"
+                )
             return cache
-        return slab_cache(self.model, 1, capacity)
+        return slab_cache(self.model, rows, capacity)
+
+    @staticmethod
+    def lengths(cache: DynamicCache) -> list[int]:
+        """Positions each row of ``cache`` holds."""
+        slabs = slab_layers(cache)
+        return list(slabs[0].lengths) if slabs is not None else [cache.get_seq_length()]
+
+    @torch.inference_mode()
+    def prefill_row(
+        self, cache: DynamicCache, row: int, ids: Tensor, layers: tuple[int, ...] = ()
+    ) -> Tensor | None:
+        """Process ``ids`` (``[seq]``) as the whole history of ``row`` of a slab ``cache`` (what the
+        row held is dropped); features as :meth:`prefill`'s. A cache of one row is written
+        directly; in a batch the prompt runs alone and its keys and values are copied into the row.
+        """
+        slabs = slab_layers(cache)
+        if slabs is None:
+            raise TargetError("prefill_row writes into a slab cache (Target.new_cache with a capacity)")
+        if slabs[0].rows == 1:
+            for slab in slabs:
+                slab.set_length(0)
+            return self._prefill(cache, ids, layers)
+        n = int(ids.numel())
+        alone = slab_cache(self.model, 1, max(n, 1))
+        features = self._prefill(alone, ids, layers)
+        where = torch.tensor([row], device=self.device)
+        for slab, source in zip(slabs, slab_layers(alone) or [], strict=True):
+            slab.reserve(n)
+            slab.write(where, 0, source.keys, source.values)
+        return features
 
     @torch.inference_mode()
     def prefill(
@@ -180,8 +216,11 @@ class Target:
         given, the cache is a preallocated slab (see :meth:`new_cache`).
         """
         cache = self.new_cache(capacity)
+        return cache, self._prefill(cache, ids, layers)
+
+    def _prefill(self, cache: DynamicCache, ids: Tensor, layers: tuple[int, ...]) -> Tensor | None:
         if ids.numel() == 0:
-            return cache, None
+            return None
         out = self.model(
             input_ids=ids[None].to(self.device),
             cache=cache,
@@ -189,7 +228,7 @@ class Target:
             output_hidden_states=bool(layers),
             logits_to_keep=1,
         )
-        return cache, self._features(out, layers)
+        return self._features(out, layers)
 
     @torch.inference_mode()
     def verify(self, cache: DynamicCache, tree: DraftTree, layers: tuple[int, ...] = ()) -> VerifyOutput:
@@ -221,6 +260,81 @@ class Target:
             output_hidden_states=bool(layers),
         )
         return VerifyOutput(logits=out.logits[0].float(), features=self._features(out, layers))
+
+    @torch.inference_mode()
+    def verify_rows(
+        self, cache: DynamicCache, trees: Sequence[DraftTree | None], layers: tuple[int, ...] = ()
+    ) -> list[VerifyOutput | None]:
+        """Verify one tree per row of a slab ``cache`` (None: the row sits out) in one forward.
+
+        One row is :meth:`verify`. Several run flattened (:mod:`jetflow.attention.ragged_attention`):
+        the linear layers see the sum of the trees, attention runs per row over its own history.
+        Appends each tree after its row's history; :meth:`commit_rows` keeps the accepted paths.
+        """
+        if len(trees) == 1:
+            return [None if trees[0] is None else self.verify(cache, trees[0], layers)]
+        slabs = slab_layers(cache)
+        if slabs is None or slabs[0].rows != len(trees):
+            raise TargetError(f"verify_rows needs a slab cache of {len(trees)} rows")
+        live = [tree for tree in trees if tree is not None]
+        if not live:
+            return [None] * len(trees)
+        enable_ragged_attention(self.model)
+        starts = list(slabs[0].lengths)
+        counts = [0 if tree is None else tree.size for tree in trees]
+        layout = RaggedRows.of(starts, counts, self.device)
+        visible = layout.visibility([None if tree is None else tree.ancestor_mask for tree in trees])
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
+        positions = torch.cat(
+            [
+                start + tree.depths.to(self.device)
+                for start, tree in zip(starts, trees, strict=True)
+                if tree is not None
+            ]
+        )
+        for slab in slabs:
+            slab.reserve(max(starts) + layout.nodes)  # room for commit_rows' padded moves too
+        out = self.model(
+            input_ids=torch.cat([tree.tokens for tree in live]).to(self.device)[None],
+            attention_mask=mask,
+            position_ids=positions[None],
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(layers),
+            **{LAYOUT_KEYWORD: layout},
+        )
+        if any(slab.last_layout is not layout for slab in slabs):
+            raise TargetError(
+                f"{self.name}'s attention does not hand the model's keywords to its cache: "
+                "it cannot verify a batch"
+            )
+        logits = out.logits[0].float().split([tree.size for tree in live])
+        features = self._features(out, layers)
+        parts = features.split([tree.size for tree in live]) if features is not None else [None] * len(live)
+        answers = iter(VerifyOutput(logit, feature) for logit, feature in zip(logits, parts, strict=True))
+        return [None if tree is None else next(answers) for tree in trees]
+
+    @staticmethod
+    @torch.inference_mode()
+    def commit_rows(cache: DynamicCache, starts: Sequence[int], paths: Sequence[Tensor | None]) -> None:
+        """:meth:`commit` per row: row ``r`` keeps ``paths[r]`` of the tree verified after its first
+        ``starts[r]`` positions (None: the row keeps ``starts[r]``), all rows in one gather."""
+        if len(paths) == 1:
+            if paths[0] is not None:
+                Target.commit(cache, starts[0], paths[0])
+            return
+        slabs = slab_layers(cache)
+        if slabs is None:
+            raise TargetError("commit_rows needs a slab cache")
+        kept = [0 if path is None else int(path.shape[0]) for path in paths]
+        width = max(max(kept), 1)
+        sources = torch.tensor([[start] * width for start in starts], dtype=torch.long)
+        for row, path in enumerate(paths):  # a copy per row, not per token
+            if path is not None:
+                sources[row, : kept[row]] = starts[row] + path.cpu()
+        for slab in slabs:
+            slab.keep_rows(list(starts), sources, kept)
 
     @staticmethod
     @torch.inference_mode()

@@ -9,8 +9,9 @@ block under the in-block mask. ``causal`` is the only difference between the two
 
 Visibility is defined once, in :meth:`BlockHead.block_mask`, and used by both paths:
 
-* inference (:meth:`BlockHead.extend` / :meth:`BlockHead.draft`): the context keys/values
-  are cached per layer and grow by the newly processed tokens each step;
+* inference (:meth:`BlockHead.extend` / :meth:`BlockHead.draft_rows`): the context keys/values
+  are cached per layer and sequence and grow by the newly processed tokens each step; one
+  forward drafts the blocks of several sequences (their contexts padded to the longest);
 * training (:meth:`BlockHead.forward`): many anchors per sequence in one batch; a query of
   the block at anchor ``p`` sees context positions ``< p`` and its own block only.
 
@@ -21,6 +22,7 @@ mask) would call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -344,16 +346,27 @@ class BlockHead(DraftHead[ContextCache]):
 
     def draft(self, cache: ContextCache, anchor_embed: Tensor) -> Tensor:
         """One decoding step: ``anchor_embed [H]`` at position ``cache.length`` -> ``[D, H]``."""
-        anchors = torch.tensor([[cache.length]], device=self.device)
-        x, offsets = self.block_inputs(anchor_embed.reshape(1, 1, -1), last_fused=self._last(cache))
-        mask = self.block_mask(anchors, cache.length)
-        return self.block_hidden(x, (cache.length + offsets)[None], cache.kv, mask)[0, 1:]
+        return self.draft_rows([cache], anchor_embed[None])[0]
 
-    def _last(self, cache: ContextCache) -> Tensor | None:
-        """The cache's last fused feature as ``[1, 1, H]`` when the slots need it."""
-        if self.slot_proj is None or cache.last_fused is None:
+    def draft_rows(self, caches: Sequence[ContextCache], anchor_embeds: Tensor) -> Tensor:
+        """One decoding step of ``R`` sequences in one forward: ``anchor_embeds [R, H]`` -> ``[R, D, H]``.
+
+        Row ``r``'s anchor sits at position ``caches[r].length``. The contexts are right-padded
+        to the longest; the block mask hides each row's padding, so a row's drafts are those
+        of the row alone.
+        """
+        lengths = torch.tensor([cache.length for cache in caches], device=self.device)
+        context = _padded_kv(caches)
+        x, offsets = self.block_inputs(anchor_embeds[:, None], last_fused=self._last_rows(caches))
+        mask = self.block_mask(lengths[:, None], int(context[0][0].shape[2]))
+        return self.block_hidden(x, lengths[:, None] + offsets, context, mask)[:, 1:]
+
+    def _last_rows(self, caches: Sequence[ContextCache]) -> Tensor | None:
+        """The caches' last fused features as ``[R, 1, H]`` when the slots need them."""
+        lasts = [cache.last_fused for cache in caches]
+        if self.slot_proj is None or any(last is None for last in lasts):
             return None
-        return cache.last_fused.reshape(1, 1, -1)
+        return torch.stack(cast("list[Tensor]", lasts))[:, None]
 
     def refresh(self, cache: ContextCache, node_embeds: Tensor, depths: Tensor, ancestors: Tensor) -> Tensor:
         """Path-conditioned children of every node of a draft tree in one pass: ``[n, H]``.
@@ -367,7 +380,8 @@ class BlockHead(DraftHead[ContextCache]):
         """
         n = node_embeds.shape[0]
         length = cache.length
-        slots = self.mask_slots(node_embeds[:1].reshape(1, 1, -1), self._last(cache))[0, 0]  # [1 or D, H]
+        root = node_embeds[:1].reshape(1, 1, -1)
+        slots = self.mask_slots(root, self._last_rows([cache]))[0, 0]  # [1 or D, H]
         queries = slots[depths.clamp(max=slots.shape[0] - 1).to(self.device)]  # depth d asks slot d + 1
         x = torch.cat([node_embeds.to(self.dtype), queries])[None]
         positions = length + torch.cat([depths, depths + 1]).to(self.device)[None]
@@ -379,6 +393,23 @@ class BlockHead(DraftHead[ContextCache]):
         context = torch.ones(2 * n, length, dtype=torch.bool, device=self.device)
         mask = torch.cat([context, tree], dim=1)[None]
         return self.block_hidden(x, positions, cache.kv, mask)[0, n:]
+
+
+def _padded_kv(caches: Sequence[ContextCache]) -> tuple[KV, ...]:
+    """Per-layer keys/values of several caches as one batch ``[R, kv_heads, c_max, d]``.
+
+    Each is zero-padded at its end to the longest (the block mask hides the padding); a
+    single cache is passed through without a copy.
+    """
+    if len(caches) == 1:
+        return caches[0].kv
+    longest = max(cache.length for cache in caches)
+
+    def stacked(layer: int, part: int) -> Tensor:
+        pieces = [cache.kv[layer][part] for cache in caches]
+        return torch.cat([F.pad(t, (0, 0, 0, longest - t.shape[2])) for t in pieces])
+
+    return tuple((stacked(i, 0), stacked(i, 1)) for i in range(len(caches[0].kv)))
 
 
 #: head parameter -> the same tensor's name in a transformers decoder layer (Llama, Qwen3)

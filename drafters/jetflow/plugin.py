@@ -4,6 +4,8 @@
 cache and runs one block forward from the root; the session then answers ``children`` for
 any node from the per-depth distributions (top-k of depth ``d + 1`` for a node at depth
 ``d``), so a policy may build a tree of any budget at no extra head cost.
+``begin_rows`` does the same for every sequence of a batch in one block forward (each row
+keeps its own cache; the contexts are padded to the longest for that forward).
 
 Checkpoints are found as for every learned drafter (:mod:`jetflow.drafters.learned`). A
 bidirectional variant (DFlash) is this class with ``causal = False``, another ``name`` and its
@@ -12,11 +14,11 @@ own checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from jetflow.core.contracts import DraftContext
+from jetflow.core.contracts import DraftContext, Drafter, DraftSession
 from jetflow.core.errors import CheckpointMismatchError, ConfigError, DataError
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
@@ -209,17 +211,40 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
         return head
 
     # ------------------------------------------------------------------ drafting
-    @torch.inference_mode()
     def begin(self, context: DraftContext) -> PerDepthSession:
+        return self._begin_rows([self], [context])[0]
+
+    def begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[DraftSession]:
+        """Every row's step in one head forward and one LM-head product (rows padded to the longest)."""
+        return list(self._begin_rows(rows, contexts))
+
+    @torch.inference_mode()
+    def _begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[PerDepthSession]:
+        drafters = [self._own_row(row) for row in rows]
+        for row, context in zip(drafters, contexts, strict=True):
+            row._take_in(context)
+        roots = torch.stack([context.tokens[-1] for context in contexts]).to(self.head.device)
+        hidden = self.head.draft_rows([row._cache for row in drafters], self.shared.embed(roots))  # [R, D, H]
+        logprobs = self._logprobs(hidden.flatten(0, 1)).unflatten(0, hidden.shape[:2])  # [R, D, N]
+        return [row._session(row_logprobs) for row, row_logprobs in zip(drafters, logprobs, strict=True)]
+
+    def _own_row(self, row: Drafter) -> JetFlowDrafter:
+        """``row`` as a row of this drafter (made by :meth:`for_row`): same class, same head."""
+        if not isinstance(row, JetFlowDrafter) or row.head is not self.head:
+            raise TypeError(f"{self.name}: begin_rows takes rows made by this drafter's for_row()")
+        return row
+
+    def _take_in(self, context: DraftContext) -> None:
+        """Project this row's newly processed tokens into its context cache; check it is in step."""
         if context.features is not None:
             new, following = context.features.shape[0], None
             if self.head.token_proj is not None and new:  # the token after each newly processed one
                 following = self.shared.embed(context.tokens[-new:].to(self.head.device))
             self._cache = self.head.extend(self._cache, context.features.to(self.head.dtype), following)
         context.check_in_step(self._cache.length, self.name)
-        root = context.tokens[-1].to(self.head.device)
-        hidden = self.head.draft(self._cache, self.shared.embed(root))  # [D, H]
-        logprobs = self._logprobs(hidden)
+
+    def _session(self, logprobs: Tensor) -> PerDepthSession:
+        """This row's session over its ``[D, N]`` per-depth log-probabilities."""
         if self.params.refresh:
             return RefreshableSession(logprobs, self._vocab, self.target.vocab_size, refresh=self.refresh)
         return PerDepthSession(logprobs, self._vocab, self.target.vocab_size)

@@ -19,7 +19,9 @@ from torch import Tensor
 class OracleParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    reference: tuple[int, ...]  # prompt + greedy continuation
+    reference: tuple[int, ...] = ()  # prompt + greedy continuation
+    #: several sequences' references (a batch): each step drafts from the one its tokens follow
+    references: tuple[tuple[int, ...], ...] = ()
     hit_rate: float = 0.8
     vocab_size: int = 256
     seed: int = 0
@@ -27,13 +29,15 @@ class OracleParams(BaseModel):
 
 
 class OracleSession:
-    def __init__(self, params: OracleParams, committed: int, generator: torch.Generator) -> None:
-        self.params, self.committed, self.generator = params, committed, generator
+    def __init__(
+        self, params: OracleParams, reference: tuple[int, ...], committed: int, generator: torch.Generator
+    ) -> None:
+        self.params, self.reference, self.committed, self.generator = params, reference, committed, generator
         self.max_depth = params.max_depth
 
     def _next_reference(self, tree: DraftTree, node: int) -> int | None:
         """The reference token after ``node`` if the path to it follows the reference, else None."""
-        reference = self.params.reference
+        reference = self.reference
         depth, start = int(tree.depths[node]), self.committed
         path = tree.tokens[tree.path(node)[1:]].tolist()
         on_reference = start + depth < len(reference) and list(reference[start : start + depth]) == path
@@ -87,7 +91,11 @@ class OracleDrafter(Drafter):
 
     def begin(self, context: DraftContext) -> OracleSession:
         # tokens[-1] is the root: the committed text ends at len(tokens)
-        return OracleSession(self.params, len(context.tokens), self.generator)
+        tokens = tuple(context.tokens.tolist())
+        reference = next(
+            (ref for ref in self.params.references if ref[: len(tokens)] == tokens), self.params.reference
+        )
+        return OracleSession(self.params, reference, len(tokens), self.generator)
 
 
 @hookimpl
