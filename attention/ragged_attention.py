@@ -113,7 +113,7 @@ def ragged_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs,
-) -> tuple[Tensor, None]:
+) -> tuple[Tensor, Tensor | None]:
     """transformers' attention-function contract; per-row SDPA when the forward is ragged.
 
     ``query [1, heads, S, d]`` flattened; ``key``/``value`` the slab's rows ``[rows, kv, width, d]``.

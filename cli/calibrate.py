@@ -54,6 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="per prompt and budget (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="timed verify forwards per tree size")
     parser.add_argument("--threads", type=int, help="torch CPU threads (part of the calibration's key)")
+    parser.add_argument(
+        "--batch-sizes",
+        help="comma list of batch sizes (> 1) whose step costs to measure too, e.g. 4,8,16: "
+        "a batch's budget is then priced from them",
+    )
     add_compile_flag(parser)
     parser.add_argument(
         "--all-budgets", action="store_true", help="measure every budget, even past the peak speed"
@@ -98,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     budgets = parse_budgets(args.budgets) if args.budgets else cal.DEFAULT_BUDGETS
+    batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else []
     config = config_from_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -122,8 +128,16 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             progress=not args.json,
             early_stop=not args.all_budgets,
+            batch_sizes=batch_sizes,
         )
         cal.save_calibration(calibration)
+    elif batch_sizes:
+        measured = cal.with_batches(
+            calibration, config, target, batch_sizes, cal.CALIBRATION_PROMPTS[: args.prompts]
+        )
+        if measured is not calibration:
+            calibration = measured
+            cal.save_calibration(calibration)
     path = cal.calibration_path(key)
 
     if args.json:
@@ -133,6 +147,17 @@ def run(args: argparse.Namespace) -> int:
     when = f"cached from {calibration.created}; --force measures again" if cached else "saved"
     print(f"{when}: {path}")
     return 0
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``4,8,16`` -> ``[4, 8, 16]``; a clear error for anything but integers >= 2."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--batch-sizes takes a comma list of integers, got {text!r}") from None
+    if not sizes or min(sizes) < 2:
+        raise ConfigError(f"--batch-sizes are batch sizes >= 2 (1 is always measured), got {text!r}")
+    return sorted(set(sizes))
 
 
 def _print_table(calibration: Calibration) -> None:
@@ -153,6 +178,9 @@ def _print_table(calibration: Calibration) -> None:
         f"{n}: {ms:.0f}" for n, ms in zip(calibration.tree_sizes, calibration.verify_latency_ms, strict=True)
     )
     print(f"verify latency ms by tree size (batch {calibration.batch_size}): {latency}")
+    for batch in calibration.batches:
+        costs = ", ".join(f"{b}: {ms:.0f}" for b, ms in zip(batch.budgets, batch.step_ms, strict=True))
+        print(f"step ms of {batch.rows} rows by budget: {costs}")
     print(f"chosen: {calibration.reason()}")
     print(
         "generation starts there and re-chooses among the budgets above every step, from the "

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 from jetflow.core.calibration_record import Calibration
-from jetflow.core.cost_model import CHOICE_TOLERANCE, batch_step_cost, choose_budget
+from jetflow.core.cost_model import CHOICE_TOLERANCE, batch_step_cost, choose_budget, extrapolate_latency
 from jetflow.core.tree import DraftTree
 from scipy.optimize import isotonic_regression
 
@@ -112,14 +112,32 @@ class AdaptiveBudget:
     def from_calibration(cls, calibration: Calibration, **options: Any) -> AdaptiveBudget:
         """Candidates are the calibration's measured budgets (budget 0, no drafting, among them)."""
         points = calibration.points
+        single = np.array([(p.draft_ms + p.verify_ms) / 1e3 for p in points])
+        measured = [
+            batch for batch in calibration.batches if {p.budget for p in points} <= set(batch.budgets)
+        ]
 
         def batch_cost(rows: int) -> np.ndarray:
-            return batch_step_cost(
-                calibration.tree_sizes,
-                [ms / 1e3 for ms in calibration.verify_latency_ms],
-                [p.mean_tree_size for p in points],
-                [p.draft_ms / 1e3 for p in points],
-                rows,
+            """Measured step costs interpolated over the rows (linear past the most measured);
+            without any measured, the model of :func:`batch_step_cost`."""
+            if not measured:
+                return batch_step_cost(
+                    calibration.tree_sizes,
+                    [ms / 1e3 for ms in calibration.verify_latency_ms],
+                    [p.mean_tree_size for p in points],
+                    [p.draft_ms / 1e3 for p in points],
+                    rows,
+                )
+            by_rows = [single] + [
+                np.array([batch.step_ms[batch.budgets.index(p.budget)] / 1e3 for p in points])
+                for batch in measured
+            ]
+            counts = [1, *(batch.rows for batch in measured)]
+            return np.array(
+                [
+                    extrapolate_latency(counts, [cost[i] for cost in by_rows], [rows])[0]
+                    for i in range(len(points))
+                ]
             )
 
         return cls(

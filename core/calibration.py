@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from jetflow.core.calibration_record import (
     SCHEMA_VERSION,
+    BatchPoint,
     BudgetPoint,
     Calibration,
     CalibrationKey,
@@ -73,6 +74,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: tokens per sequence decoded to measure a batched step's cost
+BATCH_STEP_TOKENS = 16
+
 __all__ = [
     "CALIBRATION_PROMPTS",
     "CHOICE_TOLERANCE",
@@ -102,6 +106,7 @@ __all__ = [
     "past_the_peak",
     "resolve_budget",
     "save_calibration",
+    "with_batches",
 ]
 
 #: budgets whose acceptance is measured (each one an engine run per prompt). From 15 on, a
@@ -272,6 +277,7 @@ def calibrate(
     registry: Registry | None = None,
     progress: bool = False,
     early_stop: bool = True,
+    batch_sizes: Sequence[int] = (),
 ) -> Calibration:
     """Measure ``T(n)``, ``tau(B)`` and the draft cost, and choose the budget (not saved).
 
@@ -280,7 +286,9 @@ def calibrate(
     measured too.
     With ``early_stop``, budgets after the expected speed has clearly peaked are skipped
     (see :func:`~jetflow.core.cost_model.past_the_peak`): on a CPU they are the slowest to
-    measure and never win.
+    measure and never win. ``batch_sizes`` (> 1) also measures what a step of that many
+    sequences costs at every budget measured (:func:`measure_batch_step`), which the adaptive
+    budget then prices a batch's steps with.
     """
     if not config.uses_drafter:
         raise ConfigError("calibration needs a drafter (the budget of plain decoding is always 0)")
@@ -295,7 +303,8 @@ def calibrate(
 
     first = engine_at(config, target, budgets[0], registry)
     key = CalibrationKey.of(target, drafter_of(first), first.policy, first.verifier, config.tree)
-    total = len(sizes) * (warmup + repeats) + len(budgets) * len(prompts)
+    rows_measured = sorted({rows for rows in batch_sizes if rows > 1})
+    total = len(sizes) * (warmup + repeats) + len(budgets) * (len(prompts) + len(rows_measured))
     with tqdm(total=total, desc="calibrating", unit="run", disable=not progress, leave=False) as bar:
         bar.set_postfix_str("verify latency")
         latency = measure_verify_latency(
@@ -319,6 +328,12 @@ def calibrate(
             bar.set_postfix_str(f"budget {budget}")
             engine = first if budget == budgets[0] else engine_at(config, target, budget, registry)
             points.append(_measure_budget(engine, prompts, max_new_tokens, sizes, latency, bar.update))
+        batches = []
+        for rows in rows_measured:
+            bar.set_postfix_str(f"{rows} rows")
+            measured = [0] + [point.budget for point in points]
+            batches.append(measure_batch_point(config, target, measured, rows, prompts, registry))
+            bar.update(len(budgets))
     if skipped:
         log.info("skipped budgets %s: the expected speed had fallen past the peak", skipped)
     baseline = no_drafting_point(float(latency[0]))
@@ -330,6 +345,7 @@ def calibrate(
         verify_latency_ms=[round(t * 1e3, 4) for t in latency],
         points=points,
         skipped_budgets=skipped,
+        batches=batches,
         budget=choose_budget(
             [p.budget for p in points], [p.expected_tokens_per_s for p in points], CHOICE_TOLERANCE
         ),
@@ -370,6 +386,69 @@ def _measure_budget(
         mean_tree_size=round(float(built.mean()), 3),
         expected_tokens_per_s=round(speed, 3),
     )
+
+
+def with_batches(
+    calibration: Calibration,
+    config: GenerateConfig,
+    target: Target,
+    batch_sizes: Sequence[int],
+    prompts: Sequence[Prompt] = CALIBRATION_PROMPTS[:4],
+    registry: Registry | None = None,
+) -> Calibration:
+    """``calibration`` with step costs measured at every one of ``batch_sizes`` (> 1) it lacks."""
+    have = {batch.rows for batch in calibration.batches}
+    missing = sorted({rows for rows in batch_sizes if rows > 1} - have)
+    if not missing:
+        return calibration
+    budgets = [point.budget for point in calibration.points]
+    added = [measure_batch_point(config, target, budgets, rows, prompts, registry) for rows in missing]
+    batches = sorted([*calibration.batches, *added], key=lambda batch: batch.rows)
+    return calibration.model_copy(update={"batches": batches})
+
+
+def measure_batch_point(
+    config: GenerateConfig,
+    target: Target,
+    budgets: Sequence[int],
+    rows: int,
+    prompts: Sequence[Prompt],
+    registry: Registry | None = None,
+) -> BatchPoint:
+    """The step costs of ``rows`` sequences at each of ``budgets``."""
+    costs = [measure_batch_step(config, target, budget, rows, prompts, registry) for budget in budgets]
+    return BatchPoint(
+        rows=rows,
+        budgets=list(budgets),
+        draft_ms=[round(draft * 1e3, 4) for draft, _ in costs],
+        verify_ms=[round(verify * 1e3, 4) for _, verify in costs],
+    )
+
+
+def measure_batch_step(
+    config: GenerateConfig,
+    target: Target,
+    budget: int,
+    rows: int,
+    prompts: Sequence[Prompt],
+    registry: Registry | None = None,
+    max_new_tokens: int = BATCH_STEP_TOKENS,
+) -> tuple[float, float]:
+    """Mean seconds of drafting and of verifying (forward, acceptance, commit) in a step of
+    ``rows`` sequences at ``budget``: the engine itself on ``rows`` of the calibration prompts
+    (cycled), each row drafting its own tree of the budget (an equal split), after a warm-up."""
+    tree = config.tree.model_copy(update={"budget": budget, "split": "equal"})
+    engine = Engine(config.model_copy(update={"tree": tree}), target, registry)
+    batch = [prompts[index % len(prompts)] for index in range(rows)]
+    engine.generate_batch(batch, max_new_tokens=2, batch_size=rows)  # warm-up, untimed
+    results = engine.generate_batch(batch, max_new_tokens=max_new_tokens, batch_size=rows)
+    # each row records its step's shared times: the mean over the rows' records is the step's
+    steps = [step for result in results for step in result.steps if step.rows == rows]
+    if not steps:
+        raise ConfigError(f"no step ran {rows} rows at once; give more max_new_tokens")
+    draft = sum(step.draft_s for step in steps) / len(steps)
+    verify = sum(step.verify_s for step in steps) / len(steps)
+    return draft, verify
 
 
 # ---------------------------------------------------------------------- helpers

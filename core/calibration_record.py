@@ -128,6 +128,20 @@ class BudgetPoint(_Frozen):
     expected_tokens_per_s: float
 
 
+class BatchPoint(_Frozen):
+    """What a step of ``rows`` sequences costs at each budget (the engine itself, every row's tree
+    of the budget, one batched draft and one flattened verify)."""
+
+    rows: int = Field(ge=2)
+    budgets: list[int]
+    draft_ms: list[float] = Field(description="mean drafting time of a step of all rows")
+    verify_ms: list[float] = Field(description="mean verify, acceptance and commit of a step of all rows")
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [draft + verify for draft, verify in zip(self.draft_ms, self.verify_ms, strict=True)]
+
+
 class Calibration(_Frozen):
     """One cached calibration: the key, the measured curves and the chosen budget."""
 
@@ -139,6 +153,9 @@ class Calibration(_Frozen):
     verify_latency_ms: list[float]
     points: list[BudgetPoint]
     skipped_budgets: list[int] = Field(default_factory=list, description="not measured: past the peak")
+    batches: list[BatchPoint] = Field(
+        default_factory=list, description="step costs measured at more rows than one (`--batch-sizes`)"
+    )
     budget: int
     baseline_tokens_per_s: float = Field(description="1 / T(1): the loop without a drafter")
     n_prompts: int
@@ -194,6 +211,10 @@ class Calibration(_Frozen):
             "verify_latency_ms": dict(zip(map(str, self.tree_sizes), self.verify_latency_ms, strict=True)),
             "skipped_budgets": self.skipped_budgets,
             "batch_size": self.batch_size,
+            "batch_step_ms": {
+                str(batch.rows): dict(zip(map(str, batch.budgets), batch.step_ms, strict=True))
+                for batch in self.batches
+            },
             "key": self.key.model_dump(mode="json"),
             "created": self.created,
             "n_prompts": self.n_prompts,

@@ -257,3 +257,30 @@ def test_an_adaptive_sampled_run_is_reproducible_from_its_seed(tiny_llama: Targe
     assert runs[0].token_ids == runs[1].token_ids
     assert [s.budget for s in runs[0].steps] == [s.budget for s in runs[1].steps]
     assert len(runs[0].budget_histogram()) > 1
+
+
+def test_as_the_batch_grows_the_budget_shrinks_to_0_and_stays() -> None:
+    """Steps of more rows cost more per drafted node (the forward holds every row's tree): the
+    choice falls with the rows, reaches 0 where no tree pays, and holds there without flipping."""
+
+    def batch_cost(rows: int) -> np.ndarray:
+        tokens = rows * np.array([1, 3, 5, 9])  # each row's tree of budget 0, 2, 4, 8
+        return 0.05 + 0.004 * np.maximum(tokens - 4, 0)  # free until 4 tokens, then linear
+
+    controller = AdaptiveBudget(
+        budgets=[0, 2, 4, 8],
+        cost_s=[0.05, 0.05, 0.054, 0.07],
+        prior_tau=[1.0, 1.6, 1.9, 2.2],
+        batch_cost=batch_cost,
+        probe_every=4,
+    )
+    choices = {rows: controller.next_budget(rows) for rows in (1, 2, 4, 16)}
+    assert choices[1] >= choices[2] >= choices[4] and choices[16] == 0 and choices[1] > 0
+    tree = DraftTree.root(5)
+    held = []
+    for _ in range(64):
+        budget = controller.next_budget(16)
+        controller.observe(tree, torch.zeros(1, dtype=torch.long), budget, nested=True)
+        held.append(budget)
+    assert held.count(0) >= 56  # probes thin out; the choice never leaves 0
+    assert controller.choice == 0

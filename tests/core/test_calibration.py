@@ -310,3 +310,26 @@ def test_first_use_leaves_fixed_budgets_and_plain_decoding_alone(tiny_llama: Tar
     for config in (_config(tree={"budget": 4}), _config(drafter="none")):
         assert cal.ensure_calibration(config, tiny_llama, progress=False, announce=lines.append) is None
     assert lines == []
+
+
+def test_batch_step_costs_are_measured_per_budget_and_price_a_batch(measured) -> None:
+    """``batch_sizes`` measures a step of that many rows at every budget; the adaptive budget
+    then prices steps of those rows from them (and past them on the slope of the last two)."""
+    target, calibration = measured
+    config = build_config(GenerateConfig, {"drafter": "ngram", "chat_template": False})
+    batched = cal.with_batches(calibration, config, target, [1, 3, 2], prompts=PROMPTS)
+    assert [batch.rows for batch in batched.batches] == [2, 3]
+    for batch in batched.batches:
+        assert batch.budgets == [point.budget for point in calibration.points]
+        assert all(ms > 0 for ms in batch.verify_ms) and batch.draft_ms[0] == pytest.approx(0.0, abs=0.5)
+    assert cal.with_batches(batched, config, target, [2, 3]) is batched  # nothing missing: no work
+    assert "2" in batched.summary()["batch_step_ms"]
+    from jetflow.core.adaptive import AdaptiveBudget
+
+    controller = AdaptiveBudget.from_calibration(batched)
+    third = batched.batches[1]
+    controller.next_budget(rows=3)
+    assert controller.cost_s == pytest.approx(np.array(third.step_ms) / 1e3)
+    controller.next_budget(rows=1)
+    single = [(p.draft_ms + p.verify_ms) / 1e3 for p in calibration.points]
+    assert controller.cost_s == pytest.approx(single)
