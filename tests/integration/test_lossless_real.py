@@ -110,3 +110,22 @@ def test_an_adaptive_budget_is_lossless_while_it_switches_budgets(
 
 def test_jetflow_is_the_default_drafter_for_the_embedded_target(real_target: Target) -> None:
     assert Engine(GenerateConfig(), real_target).config.drafter == "jetflow"
+
+
+@pytest.mark.parametrize(
+    ("drafter", "policy", "budget"),
+    [("jetflow", "best-first", 4), ("jetflow+ngram", "best-first", 4), ("eagle", "eagle-dynamic", 6)],
+)
+def test_every_row_of_a_batch_is_lossless_fp32(
+    real_target: Target, cases, drafter: str, policy: str, budget: int
+) -> None:
+    """All ten prompts, four rows at a time (rows refilled as they finish): each row's answer is
+    ``generate``'s on its prompt alone, divergences classified as for one sequence."""
+    fields = {"drafter": drafter, "tree": {"policy": policy, "budget": budget}, "max_new_tokens": NEW_TOKENS}
+    engine = Engine(build_config(GenerateConfig, fields), real_target)
+    results = engine.generate_batch([ids for _, ids, _ in cases], batch_size=4)
+    for (sample_id, ids, expected), result in zip(cases, results, strict=True):
+        assert_lossless(real_target, sample_id, ids, expected, result.token_ids)
+    steps = [step for result in results for step in result.steps]
+    assert max(step.rows for step in steps) == 4
+    assert sum(step.accepted for step in steps) > 0, f"{drafter} never got a token accepted"
