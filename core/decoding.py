@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 from jetflow.core.allocation import RowCalibration, allocate, row_budget_cap
-from jetflow.core.contracts import Drafter, TreePolicy
+from jetflow.core.contracts import (
+    CountedSession,
+    DraftContext,
+    Drafter,
+    DraftSession,
+    RefinableSession,
+    TreePolicy,
+)
 from jetflow.core.result import FinishReason, GenerationResult, StepRecord
 from jetflow.core.tree import DraftTree
 from torch import Tensor
@@ -129,7 +137,7 @@ class BatchRun:
                 StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards, ran, len(live), total)
             )
             emitted = [*tree.tokens[decision.path[1:]].tolist(), decision.next_token]
-            emitted, finish = engine._truncate(sequence.new, emitted, self.limit)
+            emitted, finish = self._truncate(sequence.new, emitted, self.limit)
             sequence.new.extend(emitted)
             sequence.tokens = torch.cat(
                 [sequence.tokens, torch.tensor(emitted, dtype=torch.long, device=sequence.tokens.device)]
@@ -155,7 +163,7 @@ class BatchRun:
         budget = row_budget_cap(share, len(live)) if reallocate else share
         trees, forwards, nested = [], 0, True
         for (_, sequence), session, context in zip(live, sessions, contexts, strict=True):
-            tree, row_forwards, row_nested = engine._build(sequence.policy, session, context, budget)
+            tree, row_forwards, row_nested = self._build(sequence.policy, session, context, budget)
             trees.append(tree)
             nested &= row_nested
             forwards = max(forwards, row_forwards)
@@ -164,7 +172,6 @@ class BatchRun:
         return trees, forwards, nested
 
     def _finish(self, slot: int, sequence: _Sequence, finish: FinishReason) -> None:
-        engine = self.engine
         self.results[sequence.index] = GenerationResult(
             prompt_ids=sequence.ids,
             token_ids=sequence.new,
@@ -172,9 +179,58 @@ class BatchRun:
             finish_reason=finish,
             wall_s=time.perf_counter() - sequence.started,
             prefill_s=sequence.prefill_s,
-            budget=engine._budget_run(sequence.steps),
+            budget=self._budget_run(sequence.steps),
             steps=sequence.steps,
             attention=self.target.attention,
             linear_weights=self.target.linear_weights,
         )
         self.slots[slot] = None
+
+    def _budget_run(self, steps: Sequence[StepRecord]) -> int | None:
+        """The budget of a run: the fixed one, or the one an adaptive run used most."""
+        if self.engine.adaptive is None or not steps:
+            return self.engine.budget
+        return Counter(step.budget for step in steps).most_common(1)[0][0]
+
+    def _build(
+        self, policy: TreePolicy, session: DraftSession, context: DraftContext, budget: int
+    ) -> tuple[DraftTree, int, bool]:
+        """A row's tree from its ``session``, the drafter forwards it cost, and whether it is nested.
+
+        Nested (:attr:`TreePolicy.nested`): its ``b`` best nodes are the tree of budget ``b``.
+        A session offering ``refine`` gets the built tree back and the policy builds again
+        from the refined session (e.g. JetFlow's path-conditioned refresh); the rebuilt tree
+        is scored by the refined session and is not nested.
+        """
+        root = DraftTree.root(context.tokens[-1])
+        shape = replace(self.engine.shape, budget=budget)
+        tree = policy.build(session, root, shape)
+        nested = policy.nested
+        if isinstance(session, RefinableSession):
+            session = session.refine(tree)
+            tree = policy.build(session, root, shape)
+            nested = False
+        forwards = session.forwards if isinstance(session, CountedSession) else 0
+        return tree, forwards, nested
+
+    def _truncate(
+        self, done: list[int], emitted: list[int], limit: int
+    ) -> tuple[list[int], FinishReason | None]:
+        """Cut ``emitted`` exactly at the first stop condition it meets."""
+        if self.engine.config.stop_at_eos:
+            for index, token in enumerate(emitted):
+                if token in self.target.eos_token_ids and len(done) + index < limit:
+                    return emitted[: index + 1], "eos"
+        if self.engine.config.stop:
+            # Every token decodes to at least one character, so a stop string that ends in the
+            # new tokens starts within the last len(stop) tokens: decode only that tail.
+            tail = done[max(0, len(done) - max(map(len, self.engine.config.stop))) :]
+            for index in range(len(emitted)):
+                if len(done) + index >= limit:
+                    break
+                text = self.target.decode(tail + emitted[: index + 1])
+                if any(stop in text for stop in self.engine.config.stop):
+                    return emitted[: index + 1], "stop"
+        if len(done) + len(emitted) >= limit:
+            return emitted[: limit - len(done)], "length"
+        return emitted, None

@@ -1,15 +1,14 @@
-"""The engine loop: draft a tree, verify it in one target forward, accept, commit, repeat.
+"""The engine: one target, drafter, tree policy and verifier, and the budget they run at.
 
-With no drafter the same loop verifies a one-node tree each step: that is the
-autoregressive baseline every speedup is measured against.
+Its loop (:mod:`jetflow.core.decoding`) drafts a tree per sequence, verifies them in one target
+forward, accepts, commits and repeats, for one prompt or a batch. With no drafter the same loop
+verifies a one-node tree each step: the autoregressive baseline every speedup is measured against.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration_record import CalibrationKey
@@ -17,11 +16,7 @@ from jetflow.core.calibration_store import BudgetSource, compiling_pays, resolve
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import (
-    CountedSession,
-    DraftContext,
     Drafter,
-    DraftSession,
-    RefinableSession,
     TreePolicy,
     TreeShape,
     Verifier,
@@ -31,9 +26,8 @@ from jetflow.core.errors import ConfigError, TargetError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.prompt import Prompt, check_messages, check_text, check_token_ids, prompt_items
 from jetflow.core.registry import Registry, default_registry
-from jetflow.core.result import FinishReason, GenerationResult, StepRecord
+from jetflow.core.result import GenerationResult
 from jetflow.core.target import Target
-from jetflow.core.tree import DraftTree
 
 
 class Engine:
@@ -170,52 +164,3 @@ class Engine:
                 f"context window is {self.target.context_length}"
             )
         return needed
-
-    def _budget_run(self, steps: Sequence[StepRecord]) -> int | None:
-        """The budget of a run: the fixed one, or the one an adaptive run used most."""
-        if self.adaptive is None or not steps:
-            return self.budget
-        return Counter(step.budget for step in steps).most_common(1)[0][0]
-
-    def _build(
-        self, policy: TreePolicy, session: DraftSession, context: DraftContext, budget: int
-    ) -> tuple[DraftTree, int, bool]:
-        """A row's tree from its ``session``, the drafter forwards it cost, and whether it is nested.
-
-        Nested (:attr:`TreePolicy.nested`): its ``b`` best nodes are the tree of budget ``b``.
-        A session offering ``refine`` gets the built tree back and the policy builds again
-        from the refined session (e.g. JetFlow's path-conditioned refresh); the rebuilt tree
-        is scored by the refined session and is not nested.
-        """
-        root = DraftTree.root(context.tokens[-1])
-        shape = replace(self.shape, budget=budget)
-        tree = policy.build(session, root, shape)
-        nested = policy.nested
-        if isinstance(session, RefinableSession):
-            session = session.refine(tree)
-            tree = policy.build(session, root, shape)
-            nested = False
-        forwards = session.forwards if isinstance(session, CountedSession) else 0
-        return tree, forwards, nested
-
-    def _truncate(
-        self, done: list[int], emitted: list[int], limit: int
-    ) -> tuple[list[int], FinishReason | None]:
-        """Cut ``emitted`` exactly at the first stop condition it meets."""
-        if self.config.stop_at_eos:
-            for index, token in enumerate(emitted):
-                if token in self.target.eos_token_ids and len(done) + index < limit:
-                    return emitted[: index + 1], "eos"
-        if self.config.stop:
-            # Every token decodes to at least one character, so a stop string that ends in the
-            # new tokens starts within the last len(stop) tokens: decode only that tail.
-            tail = done[max(0, len(done) - max(map(len, self.config.stop))) :]
-            for index in range(len(emitted)):
-                if len(done) + index >= limit:
-                    break
-                text = self.target.decode(tail + emitted[: index + 1])
-                if any(stop in text for stop in self.config.stop):
-                    return emitted[: index + 1], "stop"
-        if len(done) + len(emitted) >= limit:
-            return emitted[: limit - len(done)], "length"
-        return emitted, None
