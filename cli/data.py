@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
+from jetflow.core.calibration import ensure_calibration
+from jetflow.core.config import NO_DRAFTER, GenerateConfig, build_config
+from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
@@ -103,6 +107,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--layers", type=_layer_list, help="feature layers, e.g. 1,8,14,20,27 (default: 5 spread)"
     )
     regen.add_argument("--no-features", action="store_true", help="skip the feature capture")
+    regen.add_argument(
+        "--drafter",
+        help="with --no-features: decode through the batched speculative engine with this drafter "
+        f"(e.g. jetflow, ngram; '{NO_DRAFTER}': its plain batched decoding); the same greedy tokens "
+        "(default: the plain batched greedy loop, which also captures features)",
+    )
+    regen.add_argument(
+        "--budget",
+        help="with --drafter: drafted tree nodes per step, or 'auto' (the calibrated budget; default: "
+        "as `jetflow generate`, the calibrated one, measured once on first use)",
+    )
     regen.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest on a busy machine)")
 
     feats = actions.add_parser("features", help="(re)build the feature cache of a corpus by teacher forcing")
@@ -163,7 +178,10 @@ def _regenerate(args: argparse.Namespace) -> int:
             f"--source {args.source!r} is a benchmark set; training data must never contain it "
             f"(first turns of {HELDOUT_SOURCE!r} make the evaluation corpus, which training refuses)"
         )
+    config = _engine_config(args)  # checked before any model loads
     if args.turn == 2:
+        if config is not None:
+            raise ConfigError("--drafter decodes first turns only (second turns use the plain loop)")
         return _regenerate_second_turns(args)
     if heldout:
         samples, source_info = prompt_sets.load_sharegpt_heldout(), {"split": HELDOUT_SOURCE}
@@ -182,6 +200,10 @@ def _regenerate(args: argparse.Namespace) -> int:
     out = args.out or corpus_dir_for(target.name)
     if heldout and not args.out:
         out = heldout_dir(out)
+    engine = None
+    if config is not None:
+        ensure_calibration(config, target, announce=lambda line: print(line, file=sys.stderr))
+        engine = Engine(config, target)
     corpus = regenerate(
         target,
         selection.prompts,
@@ -194,9 +216,34 @@ def _regenerate(args: argparse.Namespace) -> int:
         selection={**source_info, **selection.describe()},
         max_prompt_tokens=max_prompt_tokens,
         show_progress=True,
+        engine=engine,
     )
     _print_summary(out, corpus)
     return 0
+
+
+def _engine_config(args: argparse.Namespace) -> GenerateConfig | None:
+    """The engine's config for ``--drafter`` (None without it: the plain loop), after the
+    checks that need no model: tokens only, a budget only with a drafter, known plugin names."""
+    if args.drafter is None:
+        if args.budget is not None:
+            raise ConfigError("--budget needs --drafter (the plain loop drafts nothing)")
+        return None
+    if not args.no_features:
+        raise ConfigError(
+            "--drafter decodes tokens only: add --no-features (features need every token's states, "
+            "which the plain loop captures; or run `jetflow data features` afterwards)"
+        )
+    fields: dict = {
+        "target": args.target,
+        "dtype": args.dtype,
+        "drafter": args.drafter,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+    }
+    if args.budget is not None:
+        fields["tree"] = {"budget": args.budget}
+    return build_config(GenerateConfig, fields)
 
 
 def _training_samples(source: str) -> tuple[list[prompt_sets.Sample], dict]:

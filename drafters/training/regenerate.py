@@ -2,7 +2,9 @@
 
 The target answers each prompt greedily in its own batched decode loop
 (:mod:`jetflow.drafters.training.greedy`), so the hidden states the feature cache needs are
-captured during generation: the target never runs twice over the same tokens.
+captured during generation: the target never runs twice over the same tokens. A tokens-only
+run may instead decode through an :class:`~jetflow.core.engine.Engine` (batched speculative
+decoding, e.g. with the shipped head), whose greedy answers are the same tokens.
 Prompts go through in fixed-size shards; each complete shard is written atomically, so an
 interrupted run resumes after its last complete shard.
 """
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from jetflow.core.errors import DataError
+from jetflow.core.engine import Engine
+from jetflow.core.errors import ConfigError, DataError
 from jetflow.core.precision import dtype_name
 from jetflow.core.target import Target
 from jetflow.data.prompt_sets import Sample, prompt_key
@@ -31,6 +34,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_PROMPT_TOKENS = 384
 DEFAULT_BATCH_SIZE = 32  # measured best on 2 CPU cores (batch 16: 0.6x)
 DEFAULT_SHARD_SIZE = 128  # sorting 128 prompts by length keeps padding low; ~4 min a shard
+#: the ``decoder`` a corpus header names for the loop of :mod:`jetflow.drafters.training.greedy`
+#: (an engine's is its :attr:`~jetflow.core.engine.Engine.method`: ``ar``, ``jetflow:...``)
+PLAIN_DECODER = "plain"
 
 
 @dataclass(frozen=True)
@@ -108,19 +114,30 @@ def regenerate(
     selection: dict | None = None,
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     show_progress: bool = False,
+    engine: Engine | None = None,
 ) -> Corpus:
     """Let ``target`` answer ``prompts`` greedily and write the corpus (and features) to ``out``.
 
     Resumes after the last complete shard of ``out``. With ``layers`` (checked against the
     target), the same pass fills the feature cache at ``feature_folder`` (default
     :func:`feature_dir` of the corpus name); without, only tokens are written.
+
+    ``engine`` (on ``target``, greedy, stopping at EOS only) answers each shard with
+    :meth:`Engine.generate_batch` instead of the plain loop: the same tokens, decoded
+    speculatively where its drafter pays. It writes no features (they need the states of
+    every token, which only the plain loop captures), so ``layers`` must then be None. The
+    header's ``settings`` name the ``decoder`` (and an engine's budget); the manifest's
+    ``regeneration`` tokens/s compare the two.
     """
     out = Path(out)
+    if engine is not None:
+        _check_engine(engine, target, layers)
     header = {
         "source": source,
         "target": {"name": target.name, "fingerprint": target.fingerprint()},
         "settings": {
             "decoding": "greedy",
+            **_decoder_settings(engine),
             "chat_template": target.has_chat_template,
             "max_new_tokens": max_new_tokens,
             "max_prompt_tokens": max_prompt_tokens,
@@ -165,10 +182,17 @@ def regenerate(
             chunk = todo[start : start + shard_size]
             began, began_cpu = time.perf_counter(), time.process_time()
             prompt_ids = [torch.tensor(p.token_ids, dtype=torch.int64) for p in chunk]
-            generations = generate_chunk(
-                target.model, prompt_ids, max_new_tokens, target.eos_token_ids, batch_size, layers
-            )
-            sequences = [torch.cat([p, g.response]) for p, g in zip(prompt_ids, generations, strict=True)]
+            if engine is None:
+                generations = generate_chunk(
+                    target.model, prompt_ids, max_new_tokens, target.eos_token_ids, batch_size, layers
+                )
+                responses = [g.response for g in generations]
+            else:
+                results = engine.generate_batch(
+                    [list(p.token_ids) for p in chunk], max_new_tokens=max_new_tokens, batch_size=batch_size
+                )
+                responses = [torch.tensor(r.token_ids, dtype=torch.int64) for r in results]
+            sequences = [torch.cat([p, r]) for p, r in zip(prompt_ids, responses, strict=True)]
             shard = pack_shard([p.id for p in chunk], sequences, [len(p) for p in prompt_ids], dtype)
             if features is not None:
                 states = [g.captured() for g in generations]
@@ -183,3 +207,32 @@ def regenerate(
             rate = writer.manifest["regeneration"]["response_tokens_per_s"]
             bar.set_postfix(tok_s=f"{rate:.0f}")
     return Corpus(out)
+
+
+def _check_engine(engine: Engine, target: Target, layers: Sequence[int] | None) -> None:
+    """Refuse an engine whose answers would not be the plain loop's greedy ones, or features."""
+    if layers is not None:
+        raise ConfigError(
+            "an engine decodes tokens only: features need the states of every token, which the "
+            "plain greedy loop captures (ask for no feature layers, or decode without an engine)"
+        )
+    if engine.target.model is not target.model:  # the same weights, not merely the same shapes
+        raise ConfigError(f"the engine decodes with {engine.target.name}, not the target {target.name}")
+    config = engine.config
+    if config.verifier != "greedy" or config.stop or not config.stop_at_eos:
+        raise ConfigError(
+            "regeneration needs greedy answers that end at EOS or max_new_tokens only: the engine has "
+            f"verifier={config.verifier!r}, stop={list(config.stop)}, stop_at_eos={config.stop_at_eos}"
+        )
+
+
+def _decoder_settings(engine: Engine | None) -> dict[str, object]:
+    """What decoded the answers: the plain loop, or an engine's method and tree budget."""
+    if engine is None:
+        return {"decoder": PLAIN_DECODER}
+    return {
+        "decoder": engine.method,
+        "budget": engine.budget,
+        "budget_source": engine.budget_source,
+        "compiled": engine.target.compiled is not None,
+    }
