@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from jetflow.bench.lossless import DEFAULT_TIE_TOLERANCE
 from jetflow.core.config import AUTO_BUDGET, Budget, TreeConfig, build_config, load_layered_toml, merge
@@ -18,7 +18,7 @@ from jetflow.core.errors import ConfigError
 from jetflow.core.precision import DtypeName
 from jetflow.core.registry import Registry, default_registry
 from jetflow.data.prompt_sets import DATASET_NAMES, FILE_PREFIX
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 #: the in-process baselines; ``ar`` (the engine loop without a drafter) always runs
 AR = "ar"
@@ -27,6 +27,34 @@ HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 BASELINES: tuple[str, ...] = (HF_GENERATE, HF_PROMPT_LOOKUP)
 #: the fields of vLLM's methods (``--vllm``)
 VLLM_FIELDS = frozenset({"vllm", "vllm_ngram_tokens"})
+#: the batch axis (``--batch-sizes``); left out of a run's settings where it is not asked for
+BATCH_FIELDS = frozenset({"batch_sizes"})
+
+
+def parse_batch_sizes(value: object) -> tuple[int, ...] | None:
+    """None, or a non-empty list of distinct integers >= 1 (also as CLI text); else one clear message.
+
+    Each batch size is a run of every method decoding the data set's prompts that many at a
+    time (continuous batching); batch size 1 is the engine's per-prompt decoding.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"give a list of batch sizes (integers >= 1, e.g. [1, 4, 16]), got {value!r}")
+    sizes = []
+    for item in value:
+        number = item
+        if isinstance(item, str) and item.strip().isdigit():
+            number = int(item.strip())
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ValueError(f"a batch size is an integer >= 1, got {number!r}")
+        sizes.append(number)
+    twice = sorted({size for size in sizes if sizes.count(size) > 1})
+    if twice:
+        raise ValueError(f"batch size {twice[0]} is listed twice in {sizes}")
+    return tuple(sizes)
 
 
 @dataclass(frozen=True)
@@ -132,6 +160,12 @@ class BenchConfig(_Frozen):
         False, description="also run vllm, vllm-ngram and vllm-<drafter> (exported heads) in .venv-vllm"
     )
     vllm_ngram_tokens: int = Field(4, ge=1, description="vllm-ngram's num_speculative_tokens")
+    batch_sizes: Annotated[tuple[int, ...] | None, BeforeValidator(parse_batch_sizes)] = Field(
+        None,
+        description="None: each prompt decoded alone (the per-prompt comparison); else each method "
+        "decodes all of a data set's prompts this many at a time, once per batch size, against "
+        "batched ar at the same size",
+    )
     out: str = Field("results", description="folder for results.json, report.md and the plots")
 
     @model_validator(mode="after")
@@ -166,7 +200,21 @@ class BenchConfig(_Frozen):
         stray = set(self.drafter_params) - {spec.drafter for spec in specs}
         if stray:
             raise ConfigError(f"drafter_params for drafters not in the run: {', '.join(sorted(stray))}")
+        if self.batch_sizes is not None and self.vllm:
+            raise ConfigError("batch_sizes: vLLM's methods are not run with a batch axis; leave out vllm")
         return self
+
+    @property
+    def batched(self) -> bool:
+        """Whether the run has a batch axis (``batch_sizes``)."""
+        return self.batch_sizes is not None
+
+    def settings_dump(self) -> dict[str, Any]:
+        """The config as a run's settings record it: the vLLM fields only where vLLM runs and the
+        batch axis only where it is asked for, so results written before either existed still
+        resume and a per-prompt run's settings are what they always were."""
+        left_out = (set() if self.vllm else set(VLLM_FIELDS)) | (set() if self.batched else set(BATCH_FIELDS))
+        return self.model_dump(mode="json", exclude=left_out or None)
 
     @property
     def drafter_specs(self) -> tuple[DrafterSpec, ...]:

@@ -2,6 +2,8 @@
 
 A method turns prompt token ids into a :class:`Generation`; the runner never needs to know
 whether it is the jetflow engine (with or without a drafter) or ``transformers.generate``.
+A :class:`BatchMethod` also decodes a list of prompts several at a time into a
+:class:`BatchGeneration` (the batch axis of ``jetflow bench --batch-sizes``).
 """
 
 from __future__ import annotations
@@ -60,3 +62,43 @@ class Method(Protocol):
     left_out: Mapping[str, str] = MappingProxyType({})
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation: ...
+
+
+@dataclass(frozen=True)
+class BatchGeneration:
+    """What one method produced for a list of prompts decoded ``batch_size`` at a time.
+
+    Attributes:
+        rows: one :class:`Generation` per prompt, in input order; its ``wall_s`` is that
+            sequence's latency (from its admission to its last token), its ``steps`` the
+            forwards it took part in.
+        wall_s: seconds of the whole call (throughput is every row's tokens over this).
+        forwards: target forwards of the call, each one over every sequence then in flight.
+        row_steps: sequences verified, summed over the forwards (``row_steps / forwards``:
+            the mean rows per forward, below the batch size where the queue ran dry).
+        draft_s: seconds of the call spent drafting (each forward's once, not once per row).
+        verify_s: seconds of the call spent in target forwards, acceptance and commit.
+        batch_budgets: forwards per total drafted nodes across their rows (JSON keys,
+            ascending); None for methods without a tree.
+    """
+
+    rows: tuple[Generation, ...]
+    wall_s: float
+    forwards: int
+    row_steps: int
+    draft_s: float
+    verify_s: float
+    batch_budgets: dict[str, int] | None = None
+
+
+class BatchMethod(Method, Protocol):
+    """A method that can also decode many prompts at once."""
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+    ) -> BatchGeneration: ...
+
+
+def batchable(method: Method) -> bool:
+    """Whether ``method`` decodes batches (``transformers``' prompt lookup, for one, does not)."""
+    return bool(getattr(method, "batchable", False)) and hasattr(method, "generate_batch")

@@ -8,6 +8,11 @@ generator's ``get_candidates`` for the call.
 
 Both run as a user runs them: plain ``transformers`` on the model's own weights, without the
 packed linear weights of jetflow's target (:mod:`jetflow.core.packed_weights`).
+
+Batched (``generate_batch``, plain ``generate`` only: transformers' prompt lookup decodes one
+sequence at a time), prompts go ``batch_size`` at a time in input order, left-padded as
+``generate`` wants them; a batch ends when its last row does (transformers has no continuous
+batching), so every row's latency is its batch's time.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from jetflow.bench.generation import Generation, Method
+from jetflow.bench.generation import BatchGeneration, BatchMethod, Generation
 from jetflow.core.packed_weights import unpacked
 from jetflow.core.target import Target
 from transformers import GenerationConfig
@@ -112,7 +117,7 @@ def _timed_candidates(enabled: bool) -> Iterator[_Stopwatch]:
         owner.get_candidates = original
 
 
-class HFGenerateMethod(Method):
+class HFGenerateMethod(BatchMethod):
     """``target.model.generate``, greedy or (``temperature`` > 0) pure sampling at that temperature;
     with ``prompt_lookup_num_tokens`` it is HF's prompt lookup."""
 
@@ -158,3 +163,58 @@ class HFGenerateMethod(Method):
             verify_s=probe.forward_s,
             accepted=probe.accepted(ids.shape[1], len(new)),
         )
+
+    @property
+    def batchable(self) -> bool:
+        return self.options["prompt_lookup_num_tokens"] is None
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+    ) -> BatchGeneration:
+        """``generate`` on consecutive batches of ``batch_size`` left-padded prompts."""
+        if not self.batchable:
+            raise ValueError(f"{self.name} decodes one sequence at a time")
+        rows: list[Generation] = []
+        forwards, row_steps, forward_s = 0, 0, 0.0
+        start = time.perf_counter()
+        for first in range(0, len(prompts), batch_size):
+            generations, probe = self._padded_batch(prompts[first : first + batch_size], max_new_tokens)
+            rows += generations
+            forwards += len(probe.starts)
+            row_steps += sum(generation.steps for generation in generations)
+            forward_s += probe.forward_s
+        wall = time.perf_counter() - start
+        return BatchGeneration(tuple(rows), wall, forwards, row_steps, 0.0, forward_s)
+
+    @torch.inference_mode()
+    def _padded_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> tuple[list[Generation], ForwardProbe]:
+        """One ``generate`` call over ``prompts``, left-padded; each row cut after its first EOS
+        (a finished row is filled with the pad token, EOS itself, until the batch ends)."""
+        model, device = self.target.model, self.target.device
+        width = max(len(prompt) for prompt in prompts)
+        pad = self.options["pad_token_id"]
+        ids = torch.tensor(
+            [[pad] * (width - len(prompt)) + list(prompt) for prompt in prompts],
+            dtype=torch.long,
+            device=device,
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts],
+            dtype=torch.long,
+            device=device,
+        )
+        config = GenerationConfig(**self.options, max_new_tokens=max_new_tokens)
+        with unpacked(model), _probed(model) as probe:
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+            wall = time.perf_counter() - start
+        eos = set(self.target.eos_token_ids) if self.options["eos_token_id"] else set()
+        generations = []
+        for row in out[:, width:].tolist():
+            ends = [index for index, token in enumerate(row) if token in eos]
+            new = tuple(row[: ends[0] + 1] if ends else row)
+            # one token per forward while the row runs: plain decoding, tau 1
+            generations.append(Generation(new, wall, len(new), 0.0, probe.forward_s, (0,) * len(new)))
+        return generations, probe

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
+from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 from jetflow.bench.config import AR, HF_GENERATE, HF_PROMPT_LOOKUP, BenchConfig
-from jetflow.bench.generation import Generation, Method
+from jetflow.bench.generation import BatchGeneration, BatchMethod, Generation, Method
 from jetflow.bench.hf_baselines import HFGenerateMethod
 from jetflow.core.calibration import (
     Calibration,
@@ -29,13 +31,16 @@ from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig, TreeCon
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
 from jetflow.core.registry import Registry, default_registry
+from jetflow.core.result import GenerationResult
 from jetflow.core.target import Target
 
 log = logging.getLogger(__name__)
 
 
-class EngineMethod(Method):
+class EngineMethod(BatchMethod):
     """The jetflow engine loop: ``ar`` without a drafter, else a drafter at one budget."""
+
+    batchable = True
 
     def __init__(self, name: str, engine: Engine) -> None:
         self.name = name
@@ -44,7 +49,38 @@ class EngineMethod(Method):
         self.policy = engine.policy.name if engine.drafter else None
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
-        result = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens)
+        return self._generation(self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens))
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+    ) -> BatchGeneration:
+        """Every prompt through one :meth:`Engine.generate_batch` call (continuous batching).
+
+        A forward is recorded once in each row it verified (``StepRecord.rows`` of them), so
+        sums over the rows' steps weigh each record by ``1 / rows`` to count it once.
+        """
+        start = time.perf_counter()
+        results = self.engine.generate_batch(
+            [list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens, batch_size=batch_size
+        )
+        wall = time.perf_counter() - start
+        steps = [step for result in results for step in result.steps]
+        totals: Counter[int] = Counter()
+        for step in steps:
+            totals[step.batch_budget] += 1 / step.rows
+        return BatchGeneration(
+            rows=tuple(self._generation(result) for result in results),
+            wall_s=wall,
+            forwards=round(sum(1 / step.rows for step in steps)),
+            row_steps=len(steps),
+            draft_s=sum(step.draft_s / step.rows for step in steps),
+            verify_s=sum(step.verify_s / step.rows for step in steps),
+            batch_budgets={str(total): round(totals[total]) for total in sorted(totals)}
+            if self.budget is not None
+            else None,
+        )
+
+    def _generation(self, result: GenerationResult) -> Generation:
         return Generation(
             token_ids=tuple(result.token_ids),
             wall_s=result.wall_s,

@@ -8,8 +8,9 @@ abbreviation), so the two never clash: ``--benchmark-json``, ``--benchmark-compa
 ``--benchmark-autosave`` keep working alongside it.
 
 A test that asks for ``bench_case`` is parametrised over the suite's cases (data set x
-method x budget); the session fixture ``bench_suite`` loads the target once and holds
-each data set's ``ar`` reference. The defaults (:data:`SUITE_DEFAULTS`, 2 rounds: 12
+method x budget, and batch size where the suite has a batch axis: ``--bench-batch-sizes``
+or ``batch_sizes`` in the config); the session fixture ``bench_suite`` loads the target
+once and holds each data set's ``ar`` reference. The defaults (:data:`SUITE_DEFAULTS`, 2 rounds: 12
 benchmarks) took 11.4 minutes on the shared 2-core CPU this was written on (one torch
 thread, load average ~4); a bench TOML given with ``--bench-config`` overrides them.
 
@@ -55,6 +56,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"default: the bench defaults with {SUITE_DEFAULTS}",
     )
     group.addoption(
+        "--bench-batch-sizes",
+        dest="jetflow_bench_batch_sizes",
+        metavar="B,B,...",
+        default=None,
+        help="give the comparison suite a batch axis (over the config's batch_sizes): each case "
+        "decodes every prompt that many at a time, against batched ar at that size",
+    )
+    group.addoption(
         "--bench-rounds",
         dest="jetflow_bench_rounds",
         type=int,
@@ -83,6 +92,9 @@ def suite_config(config: pytest.Config) -> BenchConfig:
 
         path = config.getoption("jetflow_bench_config")
         data = merge(SUITE_DEFAULTS, load_toml(path)) if path else dict(SUITE_DEFAULTS)
+        batch_sizes = config.getoption("jetflow_bench_batch_sizes")
+        if batch_sizes is not None:
+            data["batch_sizes"] = batch_sizes  # text: the config validates it
         config.stash[_CONFIG_KEY] = build_config(BenchConfig, data)
     return config.stash[_CONFIG_KEY]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jetflow.bench.plots import write_plots
+from jetflow.bench.plots import batch_label, is_batched, write_plots
 from jetflow.bench.results import BenchResults
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,11 @@ def _header(results: BenchResults) -> list[str]:
         f"* drafters {', '.join(settings.get('drafters', []))} at budgets "
         f"{', '.join(str(b) for b in settings.get('budgets', []))}; "
         "speedup = tokens/s over `ar` (the same engine loop without a drafter) on the same prompts, "
-        "prefill included; decode speedup leaves every prefill out (speculation cannot shorten it)",
+        + (
+            "at the same batch size"
+            if is_batched(results.runs)
+            else "prefill included; decode speedup leaves every prefill out (speculation cannot shorten it)"
+        ),
     ]
     commands = settings.get("commands") or [settings.get("command")]
     for command in filter(None, commands):
@@ -254,9 +258,120 @@ def _engines(results: BenchResults) -> list[str]:
     return lines
 
 
+def _batch_note(results: BenchResults) -> list[str]:
+    sizes = ", ".join(str(size) for size in sorted(results.settings.get("batch_sizes") or []))
+    lines = [
+        "",
+        f"Batch axis (batch sizes {sizes}): each method decodes all of a data set's prompts, that "
+        "many at a time (continuous batching; `hf-generate`: left-padded batches of `transformers."
+        "generate`, each ending with its last row), in one call per user turn. tokens/s is every "
+        "row's tokens over the calls' wall time; speedup is over batched `ar` at the same batch size "
+        "(and over batched `hf-generate`); tau is per sequence (tokens per forward it took part in); "
+        "latency is a sequence's time from its admission to its last token; the batch budget is the "
+        "nodes drafted across all rows per forward. Each row is checked against batched `ar` at the "
+        "same size and against `ar` at batch size 1.",
+    ]
+    left_out = results.settings.get("left_out") or {}
+    lines += [
+        line for name, reason in left_out.items() for line in ("", f"Not batched: `{name}` ({reason}).")
+    ]
+    return lines
+
+
+def _batch_summary(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Speedup over ar at each batch size: one row per data set x method, one column per size."""
+    sizes = sorted({run["batch_size"] for run in runs})
+    rows = []
+    for dataset in dict.fromkeys(run["dataset"] for run in runs):
+        in_set = [run for run in runs if run["dataset"] == dataset and run["method"] != "ar"]
+        for label in dict.fromkeys(batch_label(run) for run in in_set):
+            at = {run["batch_size"]: run for run in in_set if batch_label(run) == label}
+            cells = [f"{at[size]['speedup_vs_ar']:.2f}x" if size in at else "-" for size in sizes]
+            rows.append([dataset, f"`{label}`", *cells])
+    if not rows:
+        return []
+    header = ["dataset", "method", *(f"batch {size}" for size in sizes)]
+    return ["## Speedup over ar by batch size", "", *_table(header, rows)]
+
+
+def _batch_tables(runs: Sequence[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    header = [
+        "batch", "method", "budget", "tau", "tokens/s", "speedup", "vs hf-generate", "mean rows",
+        "mean latency (s)", "batch budget / forward", "lossless",
+    ]  # fmt: skip
+    for dataset in dict.fromkeys(run["dataset"] for run in runs):
+        rows = sorted((r for r in runs if r["dataset"] == dataset), key=lambda r: r["batch_size"])
+        first = rows[0]
+        lines += [
+            "",
+            f"## {dataset}: {first['n_prompts']} prompts, {first['n_turns']} turns, "
+            f"{first['new_tokens']} tokens by ar",
+            "",
+        ]
+        lines += _table(
+            header,
+            [
+                [
+                    r["batch_size"],
+                    f"`{r['method']}`",
+                    "-" if r["budget"] is None else r["budget"],
+                    f"{r['tau']:.2f}",
+                    f"{r['tokens_per_s']:.1f}",
+                    f"{r['speedup_vs_ar']:.2f}x",
+                    _optional(r.get("speedup_vs_hf_generate"), "{:.2f}x"),
+                    f"{r['mean_rows']:.1f}",
+                    f"{r['mean_latency_s']:.2f}",
+                    _optional(r.get("mean_batch_budget"), "{:.1f}"),
+                    _lossless(r),
+                ]
+                for r in rows
+            ],
+        )
+    return lines
+
+
+def _batch_divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [
+        [
+            r["batch_size"],
+            f"`{r['method']}`",
+            r["dataset"],
+            d.get("against", "ar"),
+            d["sample_id"],
+            d["turn"],
+            d["position"],
+            d["expected"],
+            d["got"],
+            "-" if d["logit_gap"] is None else f"{d['logit_gap']:.4f}",
+            d["kind"],
+        ]
+        for r in runs
+        for d in r.get("divergences", [])
+    ]
+    if not rows:
+        return []
+    header = ["batch", "method", "dataset", "against", "sample", "turn", "token", "ar", "method's"]
+    return [
+        "",
+        "## Divergences from ar",
+        "",
+        "First differing token per sequence, against batched `ar` at the same batch size and against "
+        "`ar` at batch size 1. `logit gap`: top logit minus the lower of the two tokens' logits in a "
+        "teacher-forced forward of ar's tokens; `tie` means both are within the tolerance of the top "
+        "(rounding: batching changes the target's matrix shapes as trees do), `bug` is a real divergence.",
+        "",
+        *_table([*header, "logit gap", "kind"], rows),
+    ]
+
+
 def render_markdown(results: BenchResults, plots: Sequence[Path] = ()) -> str:
     lines = _header(results)
-    if results.runs:
+    if is_batched(results.runs):
+        lines += _batch_note(results)
+        lines += ["", *_batch_summary(results.runs), *_batch_tables(results.runs)]
+        lines += _batch_divergences(results.runs)
+    elif results.runs:
         lines += ["", *_summary(results.runs), *_engines(results), *_dataset_tables(results.runs)]
         lines += _acceptance(results.runs) + _divergences(results.runs)
     if plots:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jetflow.bench.config import DrafterSpec
+from jetflow.bench.config import BATCH_FIELDS, DrafterSpec
 from jetflow.core.atomic import write_json_atomic
 from jetflow.core.config import AUTO_BUDGET
 from jetflow.core.errors import ConfigError
@@ -59,11 +59,14 @@ class BenchResults:
         lines = []
         for run in self.runs:
             budget = "" if run["budget"] is None else f" budget {run['budget']}"
+            batch = f" batch {run['batch_size']}" if "batch_size" in run else ""
             for d in run.get("divergences", []):
                 if d["kind"] == "bug":
+                    against = f" ({d['against']})" if "against" in d else ""
                     lines.append(
-                        f"{run['method']}{budget} on {run['dataset']} sample {d['sample_id']} "
-                        f"turn {d['turn']}: token {d['position']} is {d['got']}, baseline has {d['expected']}"
+                        f"{run['method']}{budget}{batch} on {run['dataset']} sample {d['sample_id']} "
+                        f"turn {d['turn']}: token {d['position']} is {d['got']}, baseline{against} "
+                        f"has {d['expected']}"
                     )
         return lines
 
@@ -181,8 +184,9 @@ def refuse_other_results(path: Path, config: Mapping[str, Any]) -> None:
         saved = BenchResults.read_json(path).settings
     except ConfigError as error:
         raise ConfigError(f"{error}; {choices}") from None
-    keys = (set(saved) & set(config)) - {"out"}
-    differ = sorted(key for key in keys if saved[key] != config[key])
+    # the batch axis is recorded only where a run has one: its absence is a setting too
+    keys = ((set(saved) & set(config)) | (BATCH_FIELDS & (set(saved) | set(config)))) - {"out"}
+    differ = sorted(key for key in keys if saved.get(key) != config.get(key))
     if differ:
-        shown = ", ".join(f"{key} ({saved[key]!r} -> {config[key]!r})" for key in differ)
+        shown = ", ".join(f"{key} ({saved.get(key)!r} -> {config.get(key)!r})" for key in differ)
         raise ConfigError(f"{path.parent} holds results measured with other settings: {shown}; {choices}")

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from jetflow.bench.config import AR, VLLM_FIELDS, BenchConfig
+from jetflow.bench.config import AR, BenchConfig
 from jetflow.bench.generation import Generation, Method
 from jetflow.bench.journal import SampleJournal, check_same_prompt, journal_path
 from jetflow.bench.lossless import LosslessChecker
@@ -165,10 +165,9 @@ class BenchmarkRunner:
 
     def settings(self, samples: Mapping[str, Sequence[Sample]]) -> dict[str, object]:
         """What decides the run's figures (recorded in results.json, compared on resume)."""
-        # the vLLM fields only where vLLM runs, so results written before they existed still resume
         vllm = {"left_out": {k: v for m in self.methods for k, v in m.left_out.items()}}
         return {
-            **self.config.model_dump(mode="json", exclude=None if self.config.vllm else set(VLLM_FIELDS)),
+            **self.config.settings_dump(),
             "resolved_dtype": dtype_name(self.target.dtype),
             "methods": [{"method": m.name, "budget": m.budget, "policy": m.policy} for m in self.methods],
             **(vllm if self.config.vllm else {}),
@@ -192,6 +191,23 @@ class BenchmarkRunner:
         path = journal_path(folder, dataset)
         return SampleJournal.open(path, results.target, results.settings, results.machine, resume)
 
+    def _start(
+        self, samples: Mapping[str, Sequence[Sample]], previous: BenchResults | None
+    ) -> tuple[BenchResults, dict[str, Sequence[Sample]]]:
+        """The results to fill (``previous``' runs kept, its settings checked) and the data sets
+        left to measure."""
+        results = BenchResults(describe_machine(), self.target.name, self.settings(samples))
+        if previous is not None:
+            check_compatible(previous, results, across_datasets=True)
+            results.runs = list(previous.runs)
+        done = {run["dataset"] for run in results.runs}
+        todo = {name: group for name, group in samples.items() if name not in done and group}
+        if done:
+            log.info("resuming: %s already measured", ", ".join(sorted(done)))
+        if not todo:
+            log.warning("no samples to run")
+        return results, todo
+
     def run(
         self,
         samples: Mapping[str, Sequence[Sample]],
@@ -208,16 +224,8 @@ class BenchmarkRunner:
         and ``resume`` goes on from the samples an earlier process journaled.
         """
         dtype = dtype_name(self.target.dtype)
-        results = BenchResults(describe_machine(), self.target.name, self.settings(samples))
-        if previous is not None:
-            check_compatible(previous, results, across_datasets=True)
-            results.runs = list(previous.runs)
-        done = {run["dataset"] for run in results.runs}
-        todo = {name: group for name, group in samples.items() if name not in done and group}
-        if done:
-            log.info("resuming: %s already measured", ", ".join(sorted(done)))
+        results, todo = self._start(samples, previous)
         if not todo:
-            log.warning("no samples to run")
             return results
         with ExitStack() as stack:
             journals = {
@@ -261,12 +269,19 @@ def run_benchmark(
     """Load the data, then the target (once), and run the whole comparison (or what
     ``previous``, a run with the same settings, has not measured yet; ``journal_dir`` and
     ``resume``: see :meth:`BenchmarkRunner.run`; ``kept_calibrations``: see
-    :func:`~jetflow.bench.methods.calibrate_auto_runs`)."""
+    :func:`~jetflow.bench.methods.calibrate_auto_runs`). With ``batch_sizes`` the comparison is
+    :class:`~jetflow.bench.batched.BatchBenchmarkRunner`'s (a data set is its unit of resume:
+    no sample journal)."""
     samples = load_samples(config)
     apply_threads(config)
     if target is None:
         target = Target.load(config.target, resolve_dtype(config.dtype))
     log.info("target %s (%s), %d generations", target.name, dtype_name(target.dtype), count_turns(samples))
     calibrate_auto_runs(config, target, registry, progress, kept=kept_calibrations, resume=resume)
+    if config.batched:
+        from jetflow.bench.batched import BatchBenchmarkRunner
+
+        batched = BatchBenchmarkRunner(config, target, registry=registry, progress=progress)
+        return batched.run(samples, previous, on_dataset)
     runner = BenchmarkRunner(config, target, registry=registry, progress=progress)
     return runner.run(samples, previous, on_dataset, journal_dir, resume)

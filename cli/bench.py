@@ -2,7 +2,8 @@
 
 Names (drafters, policies, data sets) are validated before the target loads, so a typo
 costs milliseconds. A real divergence from the baseline's greedy output is a failed run:
-the results are still written, then the command says what diverged and exits 1.
+the results are still written, then the command says what diverged and exits 1. With
+``--batch-sizes`` every method runs at every batch size (:mod:`jetflow.bench.batched`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ JOURNAL_DIR = "journal"
 CALIBRATION_DIR = "calibration"
 #: flags that map one to one onto :class:`~jetflow.bench.config.BenchConfig` fields
 _CONFIG_FLAGS = (
-    *("drafters", "datasets", "limit", "budgets", "max_new_tokens"),
+    *("drafters", "datasets", "limit", "budgets", "max_new_tokens", "batch_sizes"),
     *("dtype", "target", "threads", "temperature", "seed", "out", "vllm", "compile"),
 )
 
@@ -40,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="compare drafters and baselines on benchmark data sets",
         description="Run ar, hf-generate, hf-prompt-lookup and each drafter at each budget on the "
-        "same prompts; write results.json, report.md and plots.",
+        "same prompts; write results.json, report.md and plots. With --batch-sizes, every method "
+        "decodes the prompts at every batch size (speedup and drafted budget against batch size).",
     )
     parser.add_argument("--config", metavar="TOML", help="a bench config file; flags override it")
     parser.add_argument(
@@ -52,6 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, help="first N samples of each data set (default 20)")
     parser.add_argument("--budgets", type=_names, help="comma list of tree budgets (default 8,16,32)")
     parser.add_argument("--max-new-tokens", type=int, help="per turn (default 128)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=_names,
+        metavar="B,B,...",
+        help="comma list of batch sizes (e.g. 1,2,4,8,16,32): every method decodes each data set's "
+        "prompts that many at a time, its throughput against batched ar at the same size; the report "
+        "and plots then show speedup and drafted budget against batch size (default: each prompt alone)",
+    )
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--target", help="'default', a local folder, a .gguf file or a cached hub id")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -103,6 +113,8 @@ def command_line(config: BenchConfig, config_file: str | None) -> str:
     if config.limit is not None:
         words += ["--limit", str(config.limit)]
     words += ["--budgets", ",".join(map(str, config.budgets)), "--max-new-tokens", str(config.max_new_tokens)]
+    if config.batch_sizes is not None:
+        words += ["--batch-sizes", ",".join(map(str, config.batch_sizes))]
     words += ["--dtype", config.dtype, "--target", config.target, "--out", config.out]
     if config.threads is not None:
         words += ["--threads", str(config.threads)]
@@ -127,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         results, paths = _measure(config, out, args)
     for run_row in results.runs:
         budget = "" if run_row["budget"] is None else f" B={run_row['budget']}"
+        budget += f" batch {run_row['batch_size']}" if "batch_size" in run_row else ""
         speedup = run_row.get("speedup_vs_reference", run_row["speedup_vs_ar"])
         print(
             f"{run_row['dataset']:<12} {run_row['method'] + budget:<28} tau {run_row['tau']:5.2f}  "

@@ -5,6 +5,10 @@ mode (``--bench-rounds`` rounds of one iteration, each round every prompt of the
 so ``--benchmark-json``, ``--benchmark-autosave`` and ``--benchmark-compare`` work as usual.
 tau and the speedup over ``ar`` go into each record's ``extra_info``. Nothing here asserts a
 time; the one assertion is that the method reproduced ``ar``'s greedy tokens.
+
+With a batch axis (``--bench-batch-sizes 1,4`` or ``batch_sizes`` in ``--bench-config``) each
+case is also a batch size: a round decodes every prompt that many at a time, the speedup is over
+batched ``ar`` at that size, and the tokens are checked against batched ``ar`` and ``ar`` alone.
 """
 
 from __future__ import annotations
@@ -27,4 +31,7 @@ def test_compare(benchmark, bench_suite, bench_case, bench_rounds: int) -> None:
     keys = ("tau", "speedup_vs_ar", "tokens_per_s", "draft_share", "new_tokens", "n_prompts", "lossless")
     benchmark.extra_info.update({key: summary[key] for key in keys})
     benchmark.extra_info.update(method=summary["method"], budget=summary["budget"], dtype=summary["dtype"])
+    if bench_case.batch_size is not None:
+        batch = ("batch_size", "speedup_vs_hf_generate", "mean_latency_s", "mean_batch_budget", "mean_rows")
+        benchmark.extra_info.update({key: summary[key] for key in batch})
     assert summary["lossless"], f"{bench_case.id} diverged from ar: {summary['divergences']}"

@@ -92,3 +92,29 @@ def test_a_bad_suite_config_is_a_usage_error(tmp_path: Path) -> None:
     done = _pytest("--benchmark", "--bench-config", str(config), str(SUITE), cwd=tmp_path)
     assert done.returncode == 4  # pytest's usage-error exit code
     assert "unknown drafter 'nope'" in done.stderr
+
+
+def test_suite_gains_the_batch_axis(tiny_target_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    config = tmp_path / "suite.toml"
+    config.write_text(
+        f'target = "{tiny_target_dir}"\ndtype = "float32"\ndatasets = ["file:{prompt_file}"]\n'
+        'drafters = ["ngram"]\nbudgets = [4]\nmax_new_tokens = 6\n'
+    )
+    report = tmp_path / "bench.json"
+    common = ["-q", "--benchmark", "--bench-config", str(config), "--bench-rounds", "1", str(SUITE)]
+    done = _pytest(*common, "--bench-batch-sizes", "2,1", f"--benchmark-json={report}", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 passed" in done.stdout  # hf-prompt-lookup does not batch
+
+    records = {b["param"]: b for b in json.loads(report.read_text())["benchmarks"]}
+    methods = ("ar", "hf-generate", "ngram-B4")
+    assert set(records) == {f"file:prompts-{method}-batch{size}" for size in (1, 2) for method in methods}
+    for record in records.values():
+        info = record["extra_info"]
+        assert info["lossless"] is True and info["speedup_vs_ar"] > 0 and info["mean_rows"] >= 1
+        assert record["param"].endswith(f"batch{info['batch_size']}")
+    drafted = records["file:prompts-ngram-B4-batch2"]["extra_info"]
+    assert drafted["speedup_vs_hf_generate"] > 0 and drafted["mean_batch_budget"] > 0
+
+    bad = _pytest("--benchmark", "--bench-batch-sizes", "0", str(SUITE), cwd=tmp_path)
+    assert bad.returncode == 4 and "batch_sizes: a batch size is an integer >= 1, got 0" in bad.stderr
