@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -65,9 +64,9 @@ class EngineMethod(BatchMethod):
         )
         wall = time.perf_counter() - start
         steps = [step for result in results for step in result.steps]
-        totals: Counter[int] = Counter()
+        totals: dict[int, float] = {}
         for step in steps:
-            totals[step.batch_budget] += 1 / step.rows
+            totals[step.batch_budget] = totals.get(step.batch_budget, 0.0) + 1 / step.rows
         return BatchGeneration(
             rows=tuple(self._generation(result) for result in results),
             wall_s=wall,

@@ -107,7 +107,7 @@ def batch_label(run: dict[str, Any]) -> str:
     """A method across batch sizes: its name, with its budget where that is fixed (an ``auto``
     run's name says so, and its budget moves)."""
     fixed = run["budget"] is not None and not run["method"].endswith("@auto")
-    return f"{run['method']} B={run['budget']}" if fixed else run["method"]
+    return f"{run['method']}@{run['budget']}" if fixed else run["method"]
 
 
 def _batch_lines(

@@ -358,8 +358,8 @@ def test_report_lists_divergences_with_their_reference(batched: BenchResults) ->
 def test_plots_draw_speedup_and_budget_against_batch_size(batched: BenchResults) -> None:
     (ax,) = batch_speedup_figure(batched.runs).axes
     lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
-    assert set(lines) == {"hf-generate", "ngram B=4"}  # ar is the dashed 1.0 line
-    for label, method in (("hf-generate", "hf-generate"), ("ngram B=4", "ngram")):
+    assert set(lines) == {"hf-generate", "ngram@4"}  # ar is the dashed 1.0 line
+    for label, method in (("hf-generate", "hf-generate"), ("ngram@4", "ngram")):
         expected = [r["speedup_vs_ar"] for r in batched.runs if r["method"] == method]
         assert list(lines[label].get_xdata()) == SIZES
         assert np.allclose(lines[label].get_ydata(), expected)
