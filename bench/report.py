@@ -191,13 +191,7 @@ def _divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
             f"`{r['method']}`",
             budget_label(r),
             r["dataset"],
-            d["sample_id"],
-            d["turn"],
-            d["position"],
-            d["expected"],
-            d["got"],
-            "-" if d["logit_gap"] is None else f"{d['logit_gap']:.4f}",
-            d["kind"],
+            *_divergence_cells(d),
         ]
         for r in runs
         for d in r.get("divergences", [])
@@ -338,13 +332,7 @@ def _batch_divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
             f"`{r['method']}`",
             r["dataset"],
             d.get("against", "ar"),
-            d["sample_id"],
-            d["turn"],
-            d["position"],
-            d["expected"],
-            d["got"],
-            "-" if d["logit_gap"] is None else f"{d['logit_gap']:.4f}",
-            d["kind"],
+            *_divergence_cells(d),
         ]
         for r in runs
         for d in r.get("divergences", [])
@@ -362,6 +350,20 @@ def _batch_divergences(runs: Sequence[dict[str, Any]]) -> list[str]:
         "(rounding: batching changes the target's matrix shapes as trees do), `bug` is a real divergence.",
         "",
         *_table([*header, "logit gap", "kind"], rows),
+    ]
+
+
+def _divergence_cells(divergence: dict[str, Any]) -> list[object]:
+    """Where a divergence is and what it is: the cells every divergence table ends with."""
+    gap = divergence["logit_gap"]
+    return [
+        divergence["sample_id"],
+        divergence["turn"],
+        divergence["position"],
+        divergence["expected"],
+        divergence["got"],
+        "-" if gap is None else f"{gap:.4f}",
+        divergence["kind"],
     ]
 
 

@@ -10,22 +10,12 @@ from jetflow.core.allocation import allocate
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
-from jetflow.core.registry import default_registry
 from jetflow.core.target import Target
 from jetflow.core.tree import DraftTree
 
 from tests.drafters.tiny_heads import jetflow_registered, save_head, tiny_head
 
-from . import oracle_drafter
-from .test_engine import _reference
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _oracle_registered():
-    registry = default_registry()
-    registry.register(oracle_drafter)
-    yield
-    registry.unregister(oracle_drafter)
+from .test_engine import _oracle_registered, _reference  # noqa: F401 (an autouse fixture)
 
 
 def _engine(target: Target, **fields) -> Engine:
@@ -37,7 +27,7 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [torch.randint(2, 256, (n,), generator=generator).tolist() for n in lengths]
 
 
-@settings(settings.get_profile("engine"), max_examples=10)
+@settings(settings.get_profile("engine"), max_examples=8)
 @given(
     lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6),
     batch_size=st.integers(1, 4),

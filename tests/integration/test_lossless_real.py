@@ -113,19 +113,21 @@ def test_jetflow_is_the_default_drafter_for_the_embedded_target(real_target: Tar
 
 
 @pytest.mark.parametrize(
-    ("drafter", "policy", "budget"),
-    [("jetflow", "best-first", 4), ("jetflow+ngram", "best-first", 4), ("eagle", "eagle-dynamic", 6)],
+    ("drafter", "policy", "budget"), [("jetflow+ngram", "best-first", 4), ("eagle", "eagle-dynamic", 6)]
 )
 def test_every_row_of_a_batch_is_lossless_fp32(
     real_target: Target, cases, drafter: str, policy: str, budget: int
 ) -> None:
-    """All ten prompts, four rows at a time (rows refilled as they finish): each row's answer is
-    ``generate``'s on its prompt alone, divergences classified as for one sequence."""
-    fields = {"drafter": drafter, "tree": {"policy": policy, "budget": budget}, "max_new_tokens": NEW_TOKENS}
+    """Five prompts, three rows at a time (rows refilled as they finish), 64 tokens: each row's
+    answer is ``generate``'s on its prompt alone (a prefix of its 128), divergences classified as
+    for one sequence. The block head batches its drafts in one forward, EAGLE row by row."""
+    new = NEW_TOKENS // 2
+    fields = {"drafter": drafter, "tree": {"policy": policy, "budget": budget}, "max_new_tokens": new}
     engine = Engine(build_config(GenerateConfig, fields), real_target)
-    results = engine.generate_batch([ids for _, ids, _ in cases], batch_size=4)
-    for (sample_id, ids, expected), result in zip(cases, results, strict=True):
-        assert_lossless(real_target, sample_id, ids, expected, result.token_ids)
+    chosen = cases[::2]
+    results = engine.generate_batch([ids for _, ids, _ in chosen], batch_size=3)
+    for (sample_id, ids, expected), result in zip(chosen, results, strict=True):
+        assert_lossless(real_target, sample_id, ids, expected[:new], result.token_ids)
     steps = [step for result in results for step in result.steps]
-    assert max(step.rows for step in steps) == 4
+    assert max(step.rows for step in steps) == 3
     assert sum(step.accepted for step in steps) > 0, f"{drafter} never got a token accepted"
