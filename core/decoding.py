@@ -159,7 +159,13 @@ class BatchRun:
             if sequence.drafter is not None
         ]
         sessions = self.drafter.begin_rows([row for row in rows if row is not None], contexts)
-        reallocate = len(live) > 1 and engine.config.tree.split == "best-first" and engine.policy.nested
+        # Only trees that stay nested (no refined session rebuilds them) can be cut back to a share.
+        reallocate = (
+            len(live) > 1
+            and engine.config.tree.split == "best-first"
+            and engine.policy.nested
+            and not any(isinstance(session, RefinableSession) for session in sessions)
+        )
         budget = row_budget_cap(share, len(live)) if reallocate else share
         trees, forwards, nested = [], 0, True
         for (_, sequence), session, context in zip(live, sessions, contexts, strict=True):
@@ -167,7 +173,7 @@ class BatchRun:
             trees.append(tree)
             nested &= row_nested
             forwards = max(forwards, row_forwards)
-        if reallocate and nested:
+        if reallocate:
             trees = allocate(trees, share * len(live), [sequence.calibration.ratio for _, sequence in live])
         return trees, forwards, nested
 

@@ -128,3 +128,23 @@ def test_allocation_spends_the_total_where_acceptance_is_expected() -> None:
     # a row whose steps accepted far less than its drafts promised loses its nodes
     assert [tree.size - 1 for tree in allocate([confident, doubtful], 4, [0.01, 1.0])] == [0, 4]
     assert allocate([confident, doubtful], 8, [1.0, 1.0]) == [confident, doubtful]
+
+
+def test_a_refined_batch_keeps_each_row_within_its_share(tiny_llama: Target, tmp_path) -> None:
+    """Refreshed trees are rebuilt (not nested), so they cannot be cut back to a share: each row
+    drafts exactly its budget, and the answers stay lossless."""
+    head = tiny_head(tiny_llama, path_conditioning=0.5)
+    folder = save_head(tmp_path / "refresh-head", tiny_llama, head)
+    prompts = _prompts(3, [4, 8, 6])
+    with jetflow_registered():
+        engine = _engine(
+            tiny_llama,
+            drafter="jetflow",
+            drafter_params={"checkpoint": str(folder), "refresh": True},
+            tree={"budget": 3},
+            max_new_tokens=10,
+        )
+        results = engine.generate_batch(prompts, batch_size=3)
+    plain = _engine(tiny_llama, drafter="none", max_new_tokens=10)
+    assert [r.token_ids for r in results] == [plain.generate(p).token_ids for p in prompts]
+    assert all(step.tree_size - 1 <= 3 for result in results for step in result.steps)
