@@ -303,8 +303,7 @@ def calibrate(
 
     first = engine_at(config, target, budgets[0], registry)
     key = CalibrationKey.of(target, drafter_of(first), first.policy, first.verifier, config.tree)
-    rows_measured = sorted({rows for rows in batch_sizes if rows > 1})
-    total = len(sizes) * (warmup + repeats) + len(budgets) * (len(prompts) + len(rows_measured))
+    total = len(sizes) * (warmup + repeats) + len(budgets) * len(prompts)
     with tqdm(total=total, desc="calibrating", unit="run", disable=not progress, leave=False) as bar:
         bar.set_postfix_str("verify latency")
         latency = measure_verify_latency(
@@ -328,24 +327,17 @@ def calibrate(
             bar.set_postfix_str(f"budget {budget}")
             engine = first if budget == budgets[0] else engine_at(config, target, budget, registry)
             points.append(_measure_budget(engine, prompts, max_new_tokens, sizes, latency, bar.update))
-        batches = []
-        for rows in rows_measured:
-            bar.set_postfix_str(f"{rows} rows")
-            measured = [0] + [point.budget for point in points]
-            batches.append(measure_batch_point(config, target, measured, rows, prompts, registry))
-            bar.update(len(budgets))
     if skipped:
         log.info("skipped budgets %s: the expected speed had fallen past the peak", skipped)
     baseline = no_drafting_point(float(latency[0]))
     points.insert(0, baseline)
-    return Calibration(
+    calibration = Calibration(
         key=key,
         created=datetime.now().astimezone().isoformat(timespec="seconds"),
         tree_sizes=sizes,
         verify_latency_ms=[round(t * 1e3, 4) for t in latency],
         points=points,
         skipped_budgets=skipped,
-        batches=batches,
         budget=choose_budget(
             [p.budget for p in points], [p.expected_tokens_per_s for p in points], CHOICE_TOLERANCE
         ),
@@ -354,6 +346,7 @@ def calibrate(
         max_new_tokens=max_new_tokens,
         repeats=repeats,
     )
+    return with_batches(calibration, config, target, batch_sizes, prompts, registry)
 
 
 def _measure_budget(
