@@ -6,7 +6,7 @@ forward costs what the sum of the trees costs. Only attention is per sequence. T
 slab ``[rows, kv_heads, capacity, head_dim]`` (:mod:`jetflow.core.kv_cache`) in which each row has
 its own length; the cache writes each new token's keys at its row's next positions, and the
 attention function registered here gathers the flattened queries into a padded
-``[rows, nodes, ...]`` block, runs SDPA against the slab under a ``[rows, 1, nodes, width]`` mask
+``[rows, nodes, ...]`` block, attends over the slab under a ``[rows, 1, nodes, width]`` mask
 (a node sees its row's cached prefix and its own ancestors; padding sees one column and is
 dropped), and scatters the outputs back. The layout travels with the forward as the model
 keyword :data:`LAYOUT_KEYWORD`, which transformers hands to the cache update and the attention.
@@ -123,10 +123,31 @@ def ragged_attention_forward(
     if layout is None:
         return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     padded = query[0][:, layout.slots].transpose(0, 1)  # [rows, heads, nodes, d]
-    out, _ = sdpa_attention_forward(
-        module, padded, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
-    )  # [rows, nodes, heads, d]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = grouped_query_attention(padded, key, value, attention_mask, scale)  # [rows, nodes, heads, d]
     return out[layout.valid][None], None
+
+
+def grouped_query_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+    """Attention of a few queries per row over a long cache, every key-value head read once.
+
+    ``query [rows, heads, nodes, d]``, ``key``/``value [rows, kv_heads, width, d]``, ``mask`` additive
+    ``[rows, 1, nodes, width]``; returns ``[rows, nodes, heads, d]``. The query heads that share a
+    key-value head are stacked as rows of one matrix product against it. SDPA with a mask first
+    copies each key-value head once per query head it serves and runs a kernel blocked for long
+    query runs; with a handful of tree nodes per row and hundreds of cached positions both cost
+    more than the products themselves. Softmax runs in float32 whatever the dtype.
+    """
+    rows, heads, nodes, dim = query.shape
+    kv_heads, width = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(query.reshape(rows, kv_heads, group * nodes, dim), key.transpose(-1, -2))
+    scores = scores.view(rows, kv_heads, group, nodes, width).mul_(scaling)
+    if mask is not None:
+        scores.add_(mask[:, :, None])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs.view(rows, kv_heads, group * nodes, width), value)
+    return out.view(rows, heads, nodes, dim).transpose(1, 2)
 
 
 def enable_ragged_attention(model: PreTrainedModel) -> None:
