@@ -128,7 +128,9 @@ def ragged_attention_forward(
     return out[layout.valid][None], None
 
 
-def grouped_query_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+def grouped_query_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float
+) -> Tensor:
     """Attention of a few queries per row over a long cache, every key-value head read once.
 
     ``query [rows, heads, nodes, d]``, ``key``/``value [rows, kv_heads, width, d]``, ``mask`` additive
