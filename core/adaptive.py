@@ -117,6 +117,15 @@ class AdaptiveBudget:
             batch for batch in calibration.batches if {p.budget for p in points} <= set(batch.budgets)
         ]
 
+        counts = [1, *(batch.rows for batch in measured)]
+        # a step of more rows verifies more tokens: where the measured costs (load drifting under
+        # them) say otherwise, each budget's costs are fitted non-decreasing in the rows
+        by_rows = np.array(
+            [single]
+            + [[batch.step_ms[batch.budgets.index(p.budget)] / 1e3 for p in points] for batch in measured]
+        )
+        by_rows = np.stack([isotonic_regression(column, increasing=True).x for column in by_rows.T], axis=1)
+
         def batch_cost(rows: int) -> np.ndarray:
             """Measured step costs interpolated over the rows (linear past the most measured);
             without any measured, the model of :func:`batch_step_cost`."""
@@ -128,17 +137,7 @@ class AdaptiveBudget:
                     [p.draft_ms / 1e3 for p in points],
                     rows,
                 )
-            by_rows = [single] + [
-                np.array([batch.step_ms[batch.budgets.index(p.budget)] / 1e3 for p in points])
-                for batch in measured
-            ]
-            counts = [1, *(batch.rows for batch in measured)]
-            return np.array(
-                [
-                    extrapolate_latency(counts, [cost[i] for cost in by_rows], [rows])[0]
-                    for i in range(len(points))
-                ]
-            )
+            return np.array([extrapolate_latency(counts, column, [rows])[0] for column in by_rows.T])
 
         return cls(
             [p.budget for p in points],

@@ -74,8 +74,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: tokens per sequence decoded to measure a batched step's cost
+#: tokens per sequence decoded to measure a batched step's cost, in each of this many rounds
 BATCH_STEP_TOKENS = 16
+BATCH_ROUNDS = 3
 
 __all__ = [
     "CALIBRATION_PROMPTS",
@@ -287,7 +288,7 @@ def calibrate(
     With ``early_stop``, budgets after the expected speed has clearly peaked are skipped
     (see :func:`~jetflow.core.cost_model.past_the_peak`): on a CPU they are the slowest to
     measure and never win. ``batch_sizes`` (> 1) also measures what a step of that many
-    sequences costs at every budget measured (:func:`measure_batch_step`), which the adaptive
+    sequences costs at every budget measured (:func:`measure_batch_point`), which the adaptive
     budget then prices a batch's steps with.
     """
     if not config.uses_drafter:
@@ -407,41 +408,40 @@ def measure_batch_point(
     rows: int,
     prompts: Sequence[Prompt],
     registry: Registry | None = None,
+    rounds: int = BATCH_ROUNDS,
+    max_new_tokens: int = BATCH_STEP_TOKENS,
 ) -> BatchPoint:
-    """The step costs of ``rows`` sequences at each of ``budgets``."""
-    costs = [measure_batch_step(config, target, budget, rows, prompts, registry) for budget in budgets]
+    """The step costs of ``rows`` sequences at each of ``budgets``: the engine itself on ``rows``
+    of the calibration prompts (cycled), each row drafting its own tree of the budget (an equal
+    split). The budgets are measured in interleaved rounds (alternating order), as the verify
+    latencies are: on a machine whose load drifts, the drift then spreads over every budget
+    instead of making one budget look cheaper than its neighbour. Each budget's cost is the
+    median of its rounds' means."""
+    batch = [prompts[index % len(prompts)] for index in range(rows)]
+    engines = []
+    for budget in budgets:
+        tree = config.tree.model_copy(update={"budget": budget, "split": "equal"})
+        engine = Engine(config.model_copy(update={"tree": tree}), target, registry)
+        engine.generate_batch(batch, max_new_tokens=2, batch_size=rows)  # warm-up, untimed
+        engines.append(engine)
+    draft: list[list[float]] = [[] for _ in budgets]
+    verify: list[list[float]] = [[] for _ in budgets]
+    for round_index in range(rounds):
+        order = range(len(budgets)) if round_index % 2 == 0 else reversed(range(len(budgets)))
+        for index in order:
+            results = engines[index].generate_batch(batch, max_new_tokens=max_new_tokens, batch_size=rows)
+            # each row records its step's shared times: the mean over the rows' records is the step's
+            steps = [step for result in results for step in result.steps if step.rows == rows]
+            if not steps:
+                raise ConfigError(f"no step ran {rows} rows at once; give more max_new_tokens")
+            draft[index].append(sum(step.draft_s for step in steps) / len(steps))
+            verify[index].append(sum(step.verify_s for step in steps) / len(steps))
     return BatchPoint(
         rows=rows,
         budgets=list(budgets),
-        draft_ms=[round(draft * 1e3, 4) for draft, _ in costs],
-        verify_ms=[round(verify * 1e3, 4) for _, verify in costs],
+        draft_ms=[round(statistics.median(times) * 1e3, 4) for times in draft],
+        verify_ms=[round(statistics.median(times) * 1e3, 4) for times in verify],
     )
-
-
-def measure_batch_step(
-    config: GenerateConfig,
-    target: Target,
-    budget: int,
-    rows: int,
-    prompts: Sequence[Prompt],
-    registry: Registry | None = None,
-    max_new_tokens: int = BATCH_STEP_TOKENS,
-) -> tuple[float, float]:
-    """Mean seconds of drafting and of verifying (forward, acceptance, commit) in a step of
-    ``rows`` sequences at ``budget``: the engine itself on ``rows`` of the calibration prompts
-    (cycled), each row drafting its own tree of the budget (an equal split), after a warm-up."""
-    tree = config.tree.model_copy(update={"budget": budget, "split": "equal"})
-    engine = Engine(config.model_copy(update={"tree": tree}), target, registry)
-    batch = [prompts[index % len(prompts)] for index in range(rows)]
-    engine.generate_batch(batch, max_new_tokens=2, batch_size=rows)  # warm-up, untimed
-    results = engine.generate_batch(batch, max_new_tokens=max_new_tokens, batch_size=rows)
-    # each row records its step's shared times: the mean over the rows' records is the step's
-    steps = [step for result in results for step in result.steps if step.rows == rows]
-    if not steps:
-        raise ConfigError(f"no step ran {rows} rows at once; give more max_new_tokens")
-    draft = sum(step.draft_s for step in steps) / len(steps)
-    verify = sum(step.verify_s for step in steps) / len(steps)
-    return draft, verify
 
 
 # ---------------------------------------------------------------------- helpers

@@ -16,6 +16,7 @@ from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
+from scipy.optimize import isotonic_regression
 
 from tests.conftest import make_tiny_target
 from tests.drafters.tiny_heads import save_head, tiny_head
@@ -327,9 +328,12 @@ def test_batch_step_costs_are_measured_per_budget_and_price_a_batch(measured) ->
     from jetflow.core.adaptive import AdaptiveBudget
 
     controller = AdaptiveBudget.from_calibration(batched)
-    third = batched.batches[1]
-    controller.next_budget(rows=3)
-    assert controller.cost_s == pytest.approx(np.array(third.step_ms) / 1e3)
-    controller.next_budget(rows=1)
     single = [(p.draft_ms + p.verify_ms) / 1e3 for p in calibration.points]
+    by_rows = np.array([single, *(np.array(batch.step_ms) / 1e3 for batch in batched.batches)])
+    # the measured costs, fitted non-decreasing in the rows per budget (a tie is pooled)
+    fitted = np.stack([isotonic_regression(column, increasing=True).x for column in by_rows.T], axis=1)
+    assert np.all(np.diff(fitted, axis=0) >= 0)
+    controller.next_budget(rows=3)
+    assert controller.cost_s == pytest.approx(fitted[2])
+    controller.next_budget(rows=1)
     assert controller.cost_s == pytest.approx(single)
