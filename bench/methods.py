@@ -161,7 +161,7 @@ def build_methods(config: BenchConfig, target: Target, registry: Registry | None
     registry = registry or default_registry()
 
     def engine(drafter: str, tree: TreeConfig | None = None, params: dict | None = None) -> Engine:
-        return Engine(engine_config(config, drafter, tree, params), target=target, registry=registry)
+        return Engine.from_cache(engine_config(config, drafter, tree, params), target, registry)
 
     methods: list[Method] = [EngineMethod(AR, engine(NO_DRAFTER))]
     if HF_GENERATE in config.baselines:

@@ -203,7 +203,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     engine = None
     if config is not None:
         ensure_calibration(config, target, announce=lambda line: print(line, file=sys.stderr))
-        engine = Engine(config, target)
+        engine = Engine.from_cache(config, target)
     corpus = regenerate(
         target,
         selection.prompts,

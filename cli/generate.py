@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     target = Target.load(config.target, resolve_dtype(config.dtype))
     ensure_calibration(config, target, announce=lambda line: print(line, file=sys.stderr))
-    engine = Engine(config, target)
+    engine = Engine.from_cache(config, target)
     if prompts is not None:
         return _run_batch(engine, prompts, out)
     plain = Engine(config.model_copy(update={"drafter": NO_DRAFTER}), target) if args.compare else None

@@ -45,11 +45,11 @@ from jetflow.core.calibration_record import (
 )
 from jetflow.core.calibration_store import (
     BudgetSource,
+    cached_calibration,
     calibrate_command,
     calibration_path,
     install_calibration,
     load_calibration,
-    resolve_budget,
     save_calibration,
 )
 from jetflow.core.config import GenerateConfig
@@ -90,6 +90,7 @@ __all__ = [
     "Calibration",
     "CalibrationKey",
     "MachineKey",
+    "cached_calibration",
     "calibrate",
     "calibrate_command",
     "calibration_path",
@@ -105,7 +106,6 @@ __all__ = [
     "measure_verify_latency",
     "no_drafting_point",
     "past_the_peak",
-    "resolve_budget",
     "save_calibration",
     "with_batches",
 ]

@@ -1,5 +1,5 @@
 """The calibration cache: one JSON file per key under ``cache_root()/calibration``, and the
-budget an engine starts with when it asks for ``auto`` or names none."""
+calibration an engine starts from when it asks for ``auto`` or names no budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Literal
 from jetflow.core.atomic import atomic_path
 from jetflow.core.cache_root import cache_root
 from jetflow.core.calibration_record import SCHEMA_VERSION, Calibration, CalibrationKey
-from jetflow.core.config import DEFAULT_BUDGET
 from jetflow.core.errors import ConfigError
 from jetflow.core.model_files import DEFAULT_TARGET
 from pydantic import ValidationError
@@ -116,28 +115,24 @@ def _best_speed(calibration: Calibration) -> float:
 BudgetSource = Literal["fixed", "calibrated", "adaptive", "default"]
 
 
-def resolve_budget(
-    requested: int | str | None, key: CalibrationKey, target_spec: str = DEFAULT_TARGET
-) -> tuple[int, BudgetSource, Calibration | None]:
-    """The budget an engine starts with, where it came from, and the calibration behind it.
+def cached_calibration(
+    key: CalibrationKey, requested: int | str | None, target_spec: str = DEFAULT_TARGET
+) -> Calibration | None:
+    """The cached calibration an engine of ``key`` starts from when its budget is ``requested``.
 
-    A fixed budget is taken as given; ``auto`` or unset come from the cached calibration.
-    Unset falls back to :data:`DEFAULT_BUDGET` when nothing (usable) is cached, so a first
-    run never stops to measure; ``auto`` is an explicit request and fails with what to run
-    (``target_spec`` is the target as the user named it, for that command).
+    None for a fixed budget. Unset finds nothing (usable) without complaint, so a first run never
+    stops to measure and starts at the default budget; ``auto`` is an explicit request and fails
+    with what to run (``target_spec`` is the target as the user named it, for that command).
     """
     if isinstance(requested, int):
-        return requested, "fixed", None
+        return None
     calibration = load_calibration(key) if requested == "auto" else _usable(key)
-    if calibration is not None:
-        log.info("budget %d from calibration: %s", calibration.budget, calibration.reason())
-        return calibration.budget, "calibrated", calibration
-    if requested == "auto":
+    if calibration is None and requested == "auto":
         raise ConfigError(
             f"--budget auto needs a calibration and there is none for {key.describe()}; "
             f"run `{calibrate_command(key, target_spec)}` first (or pass a fixed --budget)"
         )
-    return DEFAULT_BUDGET, "default", None
+    return calibration
 
 
 def calibrate_command(key: CalibrationKey, target_spec: str = DEFAULT_TARGET) -> str:

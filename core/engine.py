@@ -7,12 +7,13 @@ verifies a one-node tree each step: the autoregressive baseline every speedup is
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 
 from jetflow.core.adaptive import AdaptiveBudget
-from jetflow.core.calibration_record import CalibrationKey
-from jetflow.core.calibration_store import BudgetSource, compiling_pays, resolve_budget
+from jetflow.core.calibration_record import Calibration, CalibrationKey
+from jetflow.core.calibration_store import BudgetSource, cached_calibration, calibrate_command, compiling_pays
 from jetflow.core.compiled import CompiledForward
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import (
@@ -29,16 +30,49 @@ from jetflow.core.registry import Registry, default_registry
 from jetflow.core.result import GenerationResult
 from jetflow.core.target import Target
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
-    """One target, one drafter, one tree policy and one verifier, ready to generate."""
+    """One target, one drafter, one tree policy and one verifier, ready to generate.
+
+    The engine reads nothing from disk beyond the target and the drafter's weights: where its
+    budget is left to jetflow (``auto`` or unset), the calibration it runs from is handed to it
+    (``calibration``), and :meth:`from_cache` is the constructor that looks one up in the cache.
+    """
 
     def __init__(
         self,
         config: GenerateConfig,
         target: Target | None = None,
         registry: Registry | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
+        self._assemble(config, target, registry)
+        self._start(calibration)
+
+    @classmethod
+    def from_cache(
+        cls, config: GenerateConfig, target: Target | None = None, registry: Registry | None = None
+    ) -> Engine:
+        """An engine whose budget, where left to jetflow, comes from the calibration cached for
+        its setup; with ``compile`` unset it compiles where the cached calibrations show that
+        compiling pays. ``auto`` with nothing cached is a :class:`ConfigError` naming the command
+        that measures it."""
+        engine = cls.__new__(cls)
+        engine._assemble(config, target, registry)
+        calibration = None
+        if engine.drafter is not None:
+            key = engine.calibration_key(compiled=False)
+            if engine.config.compile is None:
+                engine.config = engine.config.model_copy(update={"compile": compiling_pays(key)})
+            compiled = key.model_copy(update={"compiled": bool(engine.config.compile)})
+            calibration = cached_calibration(compiled, engine.config.tree.budget, engine.config.target)
+        engine._start(calibration)
+        return engine
+
+    def _assemble(self, config: GenerateConfig, target: Target | None, registry: Registry | None) -> None:
+        """The target and the plugins ``config`` names, built from the registry."""
         registry = registry or default_registry()
         self.target = target or Target.load(config.target, resolve_dtype(config.dtype))
         config = config.with_available_drafter(self.target, registry)
@@ -53,40 +87,56 @@ class Engine:
         self.policy: TreePolicy = policy_cls(policy_cls.Params.model_validate(config.tree.params))
         verifier_cls = registry.get("verifier", config.verifier)
         self.verifier: Verifier = verifier_cls(verifier_cls.Params.model_validate(config.verifier_params))
-        if self.target.compiled is None and self._compiles():  # shared by every engine on this target
+
+    def _start(self, calibration: Calibration | None) -> None:
+        """Compile as configured and take the budget (from ``calibration`` where it is left to jetflow)."""
+        if self.target.compiled is None and self.config.compile:  # shared by every engine on this target
             self.target.use_compiled(CompiledForward(self.target.model))
         self.budget_source: BudgetSource = "fixed"
         #: re-chooses the budget every step when it comes from a calibration (``tree.adapt``)
         self.adaptive: AdaptiveBudget | None = None
-        self.shape = TreeShape(self._resolve_budget(), config.tree.width, config.tree.max_depth)
+        self.shape = TreeShape(
+            self._resolve_budget(calibration), self.config.tree.width, self.config.tree.max_depth
+        )
         self._serving = threading.Lock()  # held by the generation in progress
 
-    def _compiles(self) -> bool:
-        """``compile`` as configured; left unset, where this setup's calibrations show it pays."""
-        if self.config.compile is not None:
-            return self.config.compile
-        if self.drafter is None:  # plain decoding has no calibration; it follows a drafted engine
-            return False
-        key = CalibrationKey.of(
-            self.target, self.drafter, self.policy, self.verifier, self.config.tree, compiled=False
+    def calibration_key(self, compiled: bool | None = None) -> CalibrationKey:
+        """The key this engine's setup is calibrated under (``compiled`` None: as the target runs now)."""
+        if self.drafter is None:
+            raise ConfigError("calibration needs a drafter (the budget of plain decoding is always 0)")
+        return CalibrationKey.of(
+            self.target, self.drafter, self.policy, self.verifier, self.config.tree, compiled=compiled
         )
-        return compiling_pays(key)
 
-    def _resolve_budget(self) -> int:
-        """Once per engine: a fixed budget as given; ``auto`` or unset from the cached calibration."""
+    def _resolve_budget(self, calibration: Calibration | None) -> int:
+        """A fixed budget as given; ``auto`` or unset from ``calibration`` (unset and none: the default)."""
         budget = self.config.tree.budget
         if isinstance(budget, int):
             return budget
         if self.drafter is None:  # the baseline verifies the root alone
             self.budget_source = "default"
             return DEFAULT_BUDGET
-        key = CalibrationKey.of(self.target, self.drafter, self.policy, self.verifier, self.config.tree)
-        budget, self.budget_source, calibration = resolve_budget(budget, key, self.config.target)
-        if calibration is not None and self.config.tree.adapt:
+        key = self.calibration_key()
+        if calibration is None:
+            if budget == "auto":
+                raise ConfigError(
+                    f"budget 'auto' needs a calibration of {key.describe()}: pass one, or build the "
+                    f"engine with Engine.from_cache to use the one `{calibrate_command(key)}` caches"
+                )
+            self.budget_source = "default"
+            return DEFAULT_BUDGET
+        if calibration.key != key:
+            raise ConfigError(
+                f"the calibration given was measured for {calibration.key.describe()}, "
+                f"not for this engine's {key.describe()}"
+            )
+        log.info("budget %d from calibration: %s", calibration.budget, calibration.reason())
+        self.budget_source = "calibrated"
+        if self.config.tree.adapt:
             self.adaptive = AdaptiveBudget.from_calibration(calibration)
             self.budget_source = "adaptive"
             return self.adaptive.choice  # the calibration's own choice, by the same rule
-        return budget
+        return calibration.budget
 
     @property
     def budget(self) -> int | None:

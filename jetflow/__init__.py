@@ -60,7 +60,7 @@ def generate(prompt: Prompt | Sequence[Prompt], **config: Any) -> GenerationResu
     from jetflow.core.config import GenerateConfig, build_config
     from jetflow.core.engine import Engine
 
-    engine = Engine(build_config(GenerateConfig, config))
+    engine = Engine.from_cache(build_config(GenerateConfig, config))
     if _is_prompt_list(prompt):
         return engine.generate_batch(prompt)
     return engine.generate(cast("Prompt", prompt))

@@ -230,7 +230,7 @@ def test_the_engine_adapts_a_calibrated_budget_and_stays_lossless(tiny_llama: Ta
     """Calibrated at 0 with a pessimistic tau; a repetitive prompt makes ngram trees pay."""
     key = cal.key_for(_ngram_config(), tiny_llama)
     cal.save_calibration(calibration_record(key, {0: 1.0, 2: 1.05, 6: 1.1}, {0: 10.0, 2: 11.0, 6: 12.0}))
-    engine = Engine(_ngram_config(budget="auto"), tiny_llama)
+    engine = Engine.from_cache(_ngram_config(budget="auto"), tiny_llama)
     assert (engine.budget, engine.budget_source) == (0, "adaptive")
     plain = Engine(build_config(GenerateConfig, {"drafter": "none", "chat_template": False}), tiny_llama)
     results = [engine.generate(PROMPT, max_new_tokens=40) for _ in range(3)]  # it learns across them
@@ -242,7 +242,7 @@ def test_the_engine_adapts_a_calibrated_budget_and_stays_lossless(tiny_llama: Ta
     assert results[-1].stats()["budget"] == int(max(last, key=last.get)) > 0  # trees paid here
     assert max(step.tree_size for result in results for step in result.steps) <= 7
 
-    pinned = Engine(_ngram_config(budget="auto", adapt=False), tiny_llama)
+    pinned = Engine.from_cache(_ngram_config(budget="auto", adapt=False), tiny_llama)
     assert (pinned.budget_source, pinned.adaptive) == ("calibrated", None)
     assert pinned.generate(PROMPT, max_new_tokens=12).budget_histogram() == {"0": 12}
 
@@ -253,7 +253,7 @@ def test_an_adaptive_sampled_run_is_reproducible_from_its_seed(tiny_llama: Targe
     config = _ngram_config(budget="auto").model_copy(update=fields)
     taus, cost_ms = {0: 1.0, 2: 1.2, 6: 1.3}, {0: 10.0, 2: 12.0, 6: 13.0}
     cal.save_calibration(calibration_record(cal.key_for(config, tiny_llama), taus, cost_ms))
-    runs = [Engine(config, tiny_llama).generate(PROMPT, max_new_tokens=40) for _ in range(2)]
+    runs = [Engine.from_cache(config, tiny_llama).generate(PROMPT, max_new_tokens=40) for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
     assert [s.budget for s in runs[0].steps] == [s.budget for s in runs[1].steps]
     assert len(runs[0].budget_histogram()) > 1

@@ -190,25 +190,46 @@ def test_auto_and_unset_budgets_resolve_to_the_calibrated_integer(tiny_llama: Ta
     cal.save_calibration(_record(_key(tiny_llama), budget=3))
     for budget in ("auto", None):
         tree = {} if budget is None else {"budget": budget}
-        engine = Engine(_config(tree=tree | {"adapt": False}), tiny_llama)
+        engine = Engine.from_cache(_config(tree=tree | {"adapt": False}), tiny_llama)
         assert (engine.budget, engine.budget_source) == (3, "calibrated")
         result = engine.generate(PROMPTS[0], max_new_tokens=6)
         assert result.stats()["budget"] == 3
         assert max(step.tree_size for step in result.steps) <= 4
-        adaptive = Engine(_config(tree=tree), tiny_llama)  # the default: re-chosen every step
+        adaptive = Engine.from_cache(_config(tree=tree), tiny_llama)  # the default: re-chosen every step
         assert (adaptive.budget, adaptive.budget_source) == (3, "adaptive")
         assert adaptive.generate(PROMPTS[0], max_new_tokens=6).steps[0].budget == 3
-    fixed = Engine(_config(tree={"budget": 5}), tiny_llama)
+    fixed = Engine.from_cache(_config(tree={"budget": 5}), tiny_llama)
     assert (fixed.budget, fixed.budget_source) == (5, "fixed")
     assert fixed.generate(PROMPTS[0], max_new_tokens=4).stats()["budget"] == 5
 
 
+def test_the_engine_takes_its_calibration_from_the_caller_and_reads_no_cache(tiny_llama: Target) -> None:
+    """Only :meth:`Engine.from_cache` looks in the cache: the constructor runs from the calibration
+    it is handed, and refuses one measured for another setup."""
+    record = _record(_key(tiny_llama), budget=3)
+    cal.save_calibration(record)
+    unhanded = Engine(_config(), tiny_llama)
+    assert (unhanded.budget, unhanded.budget_source) == (DEFAULT_BUDGET, "default")
+    with pytest.raises(ConfigError, match=r"Engine\.from_cache") as error:
+        Engine(_config(tree={"budget": "auto"}), tiny_llama)
+    assert "\n" not in str(error.value)
+    cal.calibration_path(record.key).unlink()  # nothing cached now
+    for budget in ("auto", None):
+        tree = {"adapt": False} | ({} if budget is None else {"budget": budget})
+        handed = Engine(_config(tree=tree), tiny_llama, calibration=record)
+        assert (handed.budget, handed.budget_source) == (3, "calibrated")
+    other = _record(_key(tiny_llama, tree={"width": 3}), budget=3)
+    with pytest.raises(ConfigError, match=r"measured for .* not for this engine's") as error:
+        Engine(_config(), tiny_llama, calibration=other)
+    assert "\n" not in str(error.value)
+
+
 def test_without_a_calibration_unset_is_the_default_and_auto_says_what_to_run(tiny_llama: Target) -> None:
     cal.save_calibration(_record(_key(tiny_llama, tree={"policy": "chain"})))  # another setup
-    engine = Engine(_config(), tiny_llama)
+    engine = Engine.from_cache(_config(), tiny_llama)
     assert (engine.budget, engine.budget_source) == (DEFAULT_BUDGET, "default")
     with pytest.raises(ConfigError) as error:
-        Engine(_config(tree={"budget": "auto"}), tiny_llama)
+        Engine.from_cache(_config(tree={"budget": "auto"}), tiny_llama)
     message = str(error.value)
     assert "jetflow calibrate --drafter ngram --tree-policy best-first" in message
     assert "\n" not in message
@@ -236,8 +257,8 @@ def test_an_unusable_cache_file_is_a_clear_error_for_auto_and_ignored_when_unset
         cal.load_calibration(key)
     assert "jetflow calibrate --force" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ConfigError, match=message):
-        Engine(_config(tree={"budget": "auto"}), tiny_llama)
-    assert Engine(_config(), tiny_llama).budget == DEFAULT_BUDGET
+        Engine.from_cache(_config(tree={"budget": "auto"}), tiny_llama)
+    assert Engine.from_cache(_config(), tiny_llama).budget == DEFAULT_BUDGET
 
 
 @pytest.mark.parametrize("bad", ["bad", "-1", -3, 2.5, True, ""])
@@ -302,7 +323,7 @@ def test_first_use_measures_once_caches_and_the_engine_then_adapts(tiny_llama: T
     assert cal.calibration_path(first.key).is_file()
     again = cal.ensure_calibration(config, tiny_llama, progress=False, announce=lines.append)
     assert again == first and len(lines) == 1  # read from the cache, nothing announced
-    engine = Engine(config, tiny_llama)
+    engine = Engine.from_cache(config, tiny_llama)
     assert engine.budget_source == "adaptive" and engine.adaptive is not None
 
 

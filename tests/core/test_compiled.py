@@ -130,7 +130,7 @@ def test_compiling_is_the_default_where_the_calibration_shows_it_pays(
         if ms is not None:
             key = eager_key.model_copy(update={"compiled": compiled})
             cal.save_calibration(calibration_record(key, {0: 1.0, 2: 1.5}, {0: ms, 2: ms * 1.1}))
-    engine = Engine(config, target)
+    engine = Engine.from_cache(config, target)
     assert (target.compiled is not None) == compiles
     calibrated = compiled_ms if compiles else eager_ms  # the budget comes from the path's own
     assert (engine.budget_source != "default") == (calibrated is not None)

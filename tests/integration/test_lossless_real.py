@@ -98,7 +98,7 @@ def test_an_adaptive_budget_is_lossless_while_it_switches_budgets(
     config = build_config(GenerateConfig, {"tree": {"budget": "auto"}, "max_new_tokens": NEW_TOKENS})
     taus, cost_ms = {0: 1.0, 2: 1.2, 8: 1.3}, {0: 60.0, 2: 72.0, 8: 78.0}
     cal.save_calibration(calibration_record(cal.key_for(config, real_target), taus, cost_ms))
-    engine = Engine(config, real_target)
+    engine = Engine.from_cache(config, real_target)
     assert engine.budget_source == "adaptive"
     used: set[int] = set()
     for sample_id, ids, expected in cases[::3]:
