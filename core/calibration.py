@@ -216,8 +216,7 @@ def key_for(config: GenerateConfig, target: Target, registry: Registry | None = 
     """The key under which ``config`` on ``target`` is calibrated (plugins built, nothing run)."""
     if not config.uses_drafter:
         raise ConfigError("calibration needs a drafter (the budget of plain decoding is always 0)")
-    engine = engine_at(config, target, 1, registry)
-    return CalibrationKey.of(target, drafter_of(engine), engine.policy, engine.verifier, config.tree)
+    return engine_at(config, target, 1, registry).calibration_key()
 
 
 def measure_verify_latency(

@@ -126,11 +126,11 @@ def test_an_adaptive_budget_makes_nothing_off_the_device(tiny_llama: Target, mon
         GenerateConfig, {"drafter": "test-formula", "max_new_tokens": 16, "stop_at_eos": False}
     )
     key = cal.key_for(config, tiny_llama)
-    cal.save_calibration(calibration_record(key, {0: 1.0, 2: 1.6, 6: 2.0}, {0: 10.0, 2: 11.0, 6: 12.0}))
-    engine = Engine(config, tiny_llama)
+    record = calibration_record(key, {0: 1.0, 2: 1.6, 6: 2.0}, {0: 10.0, 2: 11.0, 6: 12.0})
+    engine = Engine(config, tiny_llama, calibration=record)
     assert engine.adaptive is not None
     expected = engine.generate(PROMPT)
-    engine = Engine(config, tiny_llama)  # the controller starts afresh
+    engine = Engine(config, tiny_llama, calibration=record)  # the controller starts afresh
     with torch.device("meta"):
         result = engine.generate(PROMPT)
     assert result.token_ids == expected.token_ids and max(step.budget for step in result.steps) > 0

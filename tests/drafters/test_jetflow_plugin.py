@@ -141,8 +141,7 @@ def test_steps_without_drafting_keep_the_heads_context_in_step(
     config = build_config(GenerateConfig, fields)
     # no drafting calibrated best, budget 2 just as good: probes at 2 start at once
     record = calibration_record(cal.key_for(config, tiny_llama), {0: 1.0, 2: 1.2}, {0: 10.0, 2: 12.0})
-    cal.save_calibration(record)
-    engine = Engine(config, tiny_llama)
+    engine = Engine(config, tiny_llama, calibration=record)
     assert engine.budget == 0 and engine.drafting
     baseline = _engine(tiny_llama, drafter="none", max_new_tokens=40, stop_at_eos=False)
     prompt = [5, 9, 14, 3, 22]
