@@ -263,7 +263,7 @@ def _part(context: DraftContext, columns: list[int]) -> DraftContext:
     features = None
     if context.features is not None and columns:
         features = context.features[:, columns]
-    return DraftContext(context.tokens, features, context.n_processed)
+    return DraftContext(context.tokens, features, context.n_processed, context.depth)
 
 
 def _field(name: str) -> str:

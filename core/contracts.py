@@ -50,11 +50,14 @@ class DraftContext:
             whole prompt but its last token on the first step; several steps' worth after
             steps at budget 0), or ``None`` if none were asked for.
         n_processed: how many of ``tokens`` the target has processed (its KV-cache length).
+        depth: the deepest this step's tree can reach (its budget, within the tree shape's
+            depth), or ``None`` if unbounded: a drafter may skip the work of deeper levels.
     """
 
     tokens: Tensor
     features: Tensor | None
     n_processed: int
+    depth: int | None = None
 
     def check_in_step(self, cached: int, drafter: str) -> None:
         """Fail loudly if a drafter's per-token cache (``cached`` tokens) lost step with the target."""
@@ -177,13 +180,13 @@ class Drafter(Plugin, ABC):
             self._committed = []
         self._committed.append(features[path])
 
-    def context(self, tokens: Tensor, n_processed: int) -> DraftContext:
+    def context(self, tokens: Tensor, n_processed: int, depth: int | None = None) -> DraftContext:
         """This step's context: the features committed since the last call (then forgotten)."""
         pending, self._committed = self._committed, None
         features = None
         if pending:  # one piece (the usual step) is handed on as it is, without a copy
             features = pending[0] if len(pending) == 1 else torch.cat(pending)
-        return DraftContext(tokens, features, n_processed)
+        return DraftContext(tokens, features, n_processed, depth)
 
     @abstractmethod
     def begin(self, context: DraftContext) -> DraftSession:

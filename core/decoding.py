@@ -153,20 +153,19 @@ class BatchRun:
         if self.drafter is None or share <= 0:
             return [DraftTree.root(sequence.tokens[-1]) for _, sequence in live], 0, True
         rows = [sequence.drafter for _, sequence in live]
+        # Only nested trees can be drafted larger and cut back to a share across the rows.
+        spread = len(live) > 1 and engine.config.tree.split == "best-first" and engine.policy.nested
+        cap = row_budget_cap(share, len(live)) if spread else share
+        depth = min(cap, engine.shape.max_depth)  # no tree of `cap` nodes is deeper
         contexts = [
-            sequence.drafter.context(sequence.tokens, starts[slot])
+            sequence.drafter.context(sequence.tokens, starts[slot], depth)
             for slot, sequence in live
             if sequence.drafter is not None
         ]
         sessions = self.drafter.begin_rows([row for row in rows if row is not None], contexts)
-        # Only trees that stay nested (no refined session rebuilds them) can be cut back to a share.
-        reallocate = (
-            len(live) > 1
-            and engine.config.tree.split == "best-first"
-            and engine.policy.nested
-            and not any(isinstance(session, RefinableSession) for session in sessions)
-        )
-        budget = row_budget_cap(share, len(live)) if reallocate else share
+        # ... and not where a refined session rebuilds them
+        reallocate = spread and not any(isinstance(session, RefinableSession) for session in sessions)
+        budget = cap if reallocate else share
         trees, forwards, nested = [], 0, True
         for (_, sequence), session, context in zip(live, sessions, contexts, strict=True):
             tree, row_forwards, row_nested = self._build(sequence.policy, session, context, budget)

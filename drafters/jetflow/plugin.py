@@ -15,7 +15,7 @@ own checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from jetflow.core.contracts import DraftContext, Drafter, DraftSession
@@ -224,7 +224,10 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
         for row, context in zip(drafters, contexts, strict=True):
             row._take_in(context)
         roots = torch.stack([context.tokens[-1] for context in contexts]).to(self.head.device)
-        hidden = self.head.draft_rows([row._cache for row in drafters], self.shared.embed(roots))  # [R, D, H]
+        bounds = [context.depth for context in contexts]
+        depth = None if None in bounds else max(cast("list[int]", bounds))
+        caches = [row._cache for row in drafters]
+        hidden = self.head.draft_rows(caches, self.shared.embed(roots), depth)  # [R, D, H]
         logprobs = self._logprobs(hidden.flatten(0, 1)).unflatten(0, hidden.shape[:2])  # [R, D, N]
         return [row._session(row_logprobs) for row, row_logprobs in zip(drafters, logprobs, strict=True)]
 

@@ -192,3 +192,21 @@ def test_composed_rows_give_the_same_children(tiny_llama, sequences, tmp_path, m
     trials = [row.hit_rate.trials for row in batched]
     assert trials == [row.hit_rate.trials for row in alone]
     assert trials[0] > 0 and trials[2] > 0, "the rows whose prompts repeat had their lookups judged"
+
+
+@pytest.mark.parametrize(("cls", "options"), HEADS)
+def test_a_depth_bound_drafts_the_same_first_depths(tiny_llama, sequences, tmp_path, cls, options) -> None:
+    """A causal head given the tree's depth bound drafts only those depths, exactly as it drafts
+    them in the full block; a bidirectional head (every slot sees every other) drafts them all."""
+    drafter = _drafter(cls, tiny_llama, tmp_path, **options)
+    full_rows, bounded_rows = [drafter.for_row() for _ in LENGTHS], [drafter.for_row() for _ in LENGTHS]
+    for step in (0, 1):
+        contexts = _contexts(sequences, step)
+        bounded = [DraftContext(c.tokens, c.features, c.n_processed, depth=2) for c in contexts]
+        full = drafter.begin_rows(full_rows, contexts)
+        cut = drafter.begin_rows(bounded_rows, bounded)
+        for whole, part in zip(full, cut, strict=True):
+            assert isinstance(whole, PerDepthSession) and isinstance(part, PerDepthSession)
+            depths = 2 if cls.causal else whole.logprobs.shape[0]
+            assert part.logprobs.shape[0] == part.max_depth == depths
+            torch.testing.assert_close(part.logprobs, whole.logprobs[:depths], atol=1e-5, rtol=0)

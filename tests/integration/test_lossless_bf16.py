@@ -21,7 +21,7 @@ from jetflow.data.prompt_sets import load_dataset_samples
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
 
-NEW_TOKENS = 64
+NEW_TOKENS = 48  # bf16 without native support (AVX2) is slow: CI time
 TIE_TOLERANCE = 1.0  # measured: 1-token vs 16-token forwards move SmolLM2 bf16 logits by <= 0.94
 
 
@@ -31,7 +31,7 @@ def bf16_target() -> Target:
 
 
 def test_bf16_divergences_are_rounding_ties(bf16_target: Target) -> None:
-    samples = load_dataset_samples("humaneval", 2) + load_dataset_samples("mtbench", 2)
+    samples = load_dataset_samples("humaneval", 2) + load_dataset_samples("mtbench", 1)
     config = build_config(
         GenerateConfig,
         {"drafter": "ngram", "dtype": "bfloat16", "tree": {"budget": 8}, "max_new_tokens": NEW_TOKENS},
