@@ -331,18 +331,51 @@ class BlockHead(DraftHead[ContextCache]):
 
         With ``context_tokens``, ``next_embeds [n, H]`` embeds the token after each of them.
         """
-        if features.shape[0] == 0:
-            return cache
-        features = features[None].to(device=self.device, dtype=self.dtype)
-        fused = self.context_entries(features, None if next_embeds is None else next_embeds[None])
-        new = self.context_kv_of(fused, start=cache.length)
-        return ContextCache(
-            tuple(
-                (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
-                for (k, v), (nk, nv) in zip(cache.kv, new, strict=True)
-            ),
-            fused[0, -1],
+        return self.extend_rows([cache], [features], [next_embeds])[0]
+
+    def extend_rows(
+        self,
+        caches: Sequence[ContextCache],
+        features: Sequence[Tensor],
+        next_embeds: Sequence[Tensor | None],
+    ) -> list[ContextCache]:
+        """:meth:`extend` of several sequences' caches, their new tokens projected in one pass.
+
+        Every row's few new tokens go through the fusion and each layer's key-value projection
+        together, so the head's weights are read once per step rather than once per row.
+        """
+        counts = [int(rows.shape[0]) for rows in features]
+        if not any(counts):
+            return list(caches)
+        joined = torch.cat(list(features))[None].to(device=self.device, dtype=self.dtype)  # [1, S, k, H]
+        following = None
+        if self.token_proj is not None:
+            given = [embeds for embeds, n in zip(next_embeds, counts, strict=True) if n]
+            if any(embeds is None for embeds in given):
+                raise ValueError("a head with context_tokens needs the embeddings of the next tokens")
+            following = torch.cat(cast("list[Tensor]", given))[None]
+        fused = self.context_entries(joined, following)  # [1, S, H]
+        positions = torch.cat(
+            [
+                cache.length + torch.arange(n, device=self.device)
+                for cache, n in zip(caches, counts, strict=True)
+            ]
         )
+        rotary = self.rotary(positions[None])
+        new = [layer.context_kv(fused, rotary) for layer in self.decoder_layers]  # [1, kv, S, d] each
+        extended, start = [], 0
+        for cache, n in zip(caches, counts, strict=True):
+            if n == 0:
+                extended.append(cache)
+                continue
+            end = start + n
+            kv = tuple(
+                (torch.cat([k, nk[:, :, start:end]], dim=2), torch.cat([v, nv[:, :, start:end]], dim=2))
+                for (k, v), (nk, nv) in zip(cache.kv, new, strict=True)
+            )
+            extended.append(ContextCache(kv, fused[0, end - 1]))
+            start = end
+        return extended
 
     def draft(self, cache: ContextCache, anchor_embed: Tensor) -> Tensor:
         """One decoding step: ``anchor_embed [H]`` at position ``cache.length`` -> ``[D, H]``."""

@@ -221,8 +221,7 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
     @torch.inference_mode()
     def _begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[PerDepthSession]:
         drafters = [self._own_row(row) for row in rows]
-        for row, context in zip(drafters, contexts, strict=True):
-            row._take_in(context)
+        self._take_in(drafters, contexts)
         roots = torch.stack([context.tokens[-1] for context in contexts]).to(self.head.device)
         bounds = [context.depth for context in contexts]
         depth = None if None in bounds else max(cast("list[int]", bounds))
@@ -237,14 +236,20 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
             raise TypeError(f"{self.name}: begin_rows takes rows made by this drafter's for_row()")
         return row
 
-    def _take_in(self, context: DraftContext) -> None:
-        """Project this row's newly processed tokens into its context cache; check it is in step."""
-        if context.features is not None:
-            new, following = context.features.shape[0], None
-            if self.head.token_proj is not None and new:  # the token after each newly processed one
-                following = self.shared.embed(context.tokens[-new:].to(self.head.device))
-            self._cache = self.head.extend(self._cache, context.features.to(self.head.dtype), following)
-        context.check_in_step(self._cache.length, self.name)
+    def _take_in(self, rows: Sequence[JetFlowDrafter], contexts: Sequence[DraftContext]) -> None:
+        """Project every row's newly processed tokens into its context cache (one head pass for
+        all rows) and check each is in step."""
+        none = torch.empty(0, len(self.feature_layers), self.head.config.hidden_size)
+        features, following = [], []
+        for context in contexts:
+            new = none if context.features is None else context.features
+            features.append(new)
+            tokens = context.tokens[len(context.tokens) - new.shape[0] :]  # the token after each
+            following.append(self.shared.embed(tokens.to(self.head.device)) if self.head.token_proj else None)
+        caches = self.head.extend_rows([row._cache for row in rows], features, following)
+        for row, cache, context in zip(rows, caches, contexts, strict=True):
+            row._cache = cache
+            context.check_in_step(cache.length, self.name)
 
     def _session(self, logprobs: Tensor) -> PerDepthSession:
         """This row's session over its ``[D, N]`` per-depth log-probabilities."""
