@@ -347,7 +347,7 @@ class BlockHead(DraftHead[ContextCache]):
         counts = [int(rows.shape[0]) for rows in features]
         if not any(counts):
             return list(caches)
-        joined = torch.cat(list(features))[None].to(device=self.device, dtype=self.dtype)  # [1, S, k, H]
+        joined = torch.cat([rows.to(device=self.device, dtype=self.dtype) for rows in features])[None]
         following = None
         if self.token_proj is not None:
             given = [embeds for embeds, n in zip(next_embeds, counts, strict=True) if n]

@@ -245,7 +245,8 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
             new = none if context.features is None else context.features
             features.append(new)
             tokens = context.tokens[len(context.tokens) - new.shape[0] :]  # the token after each
-            following.append(self.shared.embed(tokens.to(self.head.device)) if self.head.token_proj else None)
+            needed = self.head.token_proj is not None
+            following.append(self.shared.embed(tokens.to(self.head.device)) if needed else None)
         caches = self.head.extend_rows([row._cache for row in rows], features, following)
         for row, cache, context in zip(rows, caches, contexts, strict=True):
             row._cache = cache
