@@ -302,7 +302,7 @@ def calibrate(
     sizes = sorted(grid | {1} | {budget + 1 for budget in budgets})
 
     first = engine_at(config, target, budgets[0], registry)
-    key = CalibrationKey.of(target, drafter_of(first), first.policy, first.verifier, config.tree)
+    key = first.calibration_key()
     total = len(sizes) * (warmup + repeats) + len(budgets) * len(prompts)
     with tqdm(total=total, desc="calibrating", unit="run", disable=not progress, leave=False) as bar:
         bar.set_postfix_str("verify latency")
