@@ -16,9 +16,9 @@ def add_compile_flag(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="verify through the target compiled by inductor, one graph per tree-size bucket, "
-        "compiled on first use and cached on disk (--no-compile: the eager forward; default: "
-        "compiled where `jetflow calibrate --compile` measured that it pays)",
+        help="verify through the target compiled ahead of time, one package per tree-size bucket, "
+        "built on first use (minutes, once per machine) and loaded by later runs (--no-compile: the "
+        "eager forward; default: compiled where `jetflow calibrate --compile` measured that it pays)",
     )
 
 

@@ -1,53 +1,75 @@
-"""The target's verify forward compiled by inductor: one graph per tree-size bucket.
+"""The target's verify forward compiled ahead of time: one package per tree-size bucket, kept on disk.
 
-Eager matrix kernels handle the few rows of a small tree badly on a CPU (the weight is packed
-again on every call, so a 3-node verify can cost twice a single step), and a one-token step of
-a small model is dominated by per-operator framework overhead. Compiling the whole forward
-with ``freezing`` folds the weights into constants that inductor packs once, fuses the
-elementwise work, and (with ``autotune``) lets inductor's C++ GEMM template compete with the
-library kernels for each matrix shape.
+Eager matrix kernels handle the few rows of a small tree badly on a CPU, and a one-token step of
+a small model is dominated by per-operator framework overhead. Compiling the whole forward with
+``freezing`` folds the weights into constants that inductor packs once for its kernels, fuses the
+elementwise work and drops the dispatch; with ``autotune`` inductor's C++ GEMM template competes
+with the library kernels for each matrix shape.
 
-Shapes: a graph is compiled for a fixed number of rows (a *bucket*; a smaller tree is padded
-with rows nobody sees and whose outputs are dropped), while the length of the KV history is
-symbolic, so one graph per bucket serves every context length. The KV history is the slab of
-:mod:`jetflow.core.kv_cache`: each graph writes the new rows' keys and values in place and
-attends over the filled part. Graphs are compiled on first use of their bucket and kept by
-inductor's on-disk caches under :func:`inductor_cache_dir`, so a second process starts warm.
+A compile takes minutes, and an in-process ``torch.compile`` graph with frozen, prepacked weights
+cannot be cached across processes (inductor refuses to pickle oneDNN tensors): every process would
+pay the minutes again. So each bucket is exported (``torch.export``) and compiled by AOTInductor
+into a package under :func:`compiled_dir`, keyed by the model, torch and the processor's kernels:
+the first process that needs a bucket builds it, every later one loads it in seconds.
+``jetflow calibrate --compile`` builds the buckets ahead of time; a run that did not ask to
+compile uses the buckets already built and verifies other tree sizes eagerly, so a first run on a
+new machine never waits for a compile.
 
-Compiled kernels round differently from eager ones (and from each other across buckets), so
-this path is exact per shape, not bitwise equal to ``transformers.generate``; the lossless
-checks classify each divergence as a near-tie or a bug.
+Shapes: a package serves a fixed number of rows (a *bucket*; a smaller tree is padded with rows
+nobody sees and whose outputs are dropped), while the length of the KV history and the slab's
+capacity are symbolic, so one package serves every context. The KV history is the slab of
+:mod:`jetflow.core.kv_cache`: the compiled forward writes the new rows' keys and values in place and
+attends over the filled part.
+
+Compiled kernels round differently from eager ones (and from each other across buckets), so this
+path is exact per shape, not bitwise equal to ``transformers.generate``; the lossless checks
+classify each divergence as a near-tie or a bug.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from jetflow.core.atomic import atomic_path
 from jetflow.core.cache_root import cache_root
-from jetflow.core.kv_cache import slab_layers
+from jetflow.core.kv_cache import slab_cache, slab_layers
+from jetflow.core.packed_weights import unpacked
+from jetflow.core.precision import cpu_kernels, cpu_model
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
-#: row counts a graph is compiled for; a tree runs in the smallest bucket that holds it. One row
-#: is a plain step; the others are the sizes of full trees of the budgets a first-use
-#: calibration chooses among (a root and B nodes), so a full tree is never padded.
-DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 3, 5, 9, 16, 32)
-#: where inductor keeps its caches (compiled graphs, autotuning results)
+#: row counts a package is built for; a tree runs in the smallest bucket that holds it. One row
+#: is a plain step; the others are the sizes of full trees of the budgets a calibration chooses
+#: among (a root and B nodes: 1, 2, 4, 8, 16, 32), so a full tree is never padded.
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33)
+#: where inductor keeps its caches (autotuning results, compiled kernels)
 INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
-#: the upper bound of the symbolic history length (dynamo needs one; no context is this long)
+#: what changes in the exported forward's signature bump, so that older packages are not loaded
+PACKAGE_FORMAT = 1
+#: the upper bound of the symbolic history length and slab capacity (no context is this long)
 _LONGEST = 1 << 24
+#: the history length of the example a bucket is exported with (any length >= 2 would do)
+_EXAMPLE_HISTORY = 8
+#: a bucket's package, in its folder ``rows-<bucket>``
+_PACKAGE_FILE = "forward.pt2"
 
 
 def inductor_cache_dir() -> Path:
-    """Where inductor keeps compiled graphs and autotuning results: under jetflow's cache."""
+    """Where inductor keeps autotuning results and compiled kernels: under jetflow's cache."""
     return cache_root() / "inductor"
+
+
+def compiled_dir() -> Path:
+    """Where the compiled packages live, one folder per model, torch version and processor."""
+    return cache_root() / "compiled"
 
 
 def _use_jetflow_caches() -> None:
@@ -68,13 +90,37 @@ def _use_jetflow_caches() -> None:
     inductor.autotune_local_cache = True
 
 
+def package_key(model: PreTrainedModel, autotune: bool) -> str:
+    """What a package was built for: the model's configuration, dtype and weights (a strided
+    sample of every tensor, enough to tell two checkpoints of one architecture apart), torch's
+    version, the processor and the kernels torch runs on it, the threads (inductor's kernels are
+    generated and their GEMMs blocked for a thread count) and whether GEMMs were autotuned."""
+    digest = hashlib.sha256()
+    machine = (torch.__version__, cpu_model(), cpu_kernels(), torch.get_num_threads())
+    facts = (model.config.to_json_string(), model.dtype, *machine)
+    digest.update(repr((*facts, autotune, PACKAGE_FORMAT)).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 256)][:256].float().cpu()
+        digest.update(f"{name}{tuple(tensor.shape)}".encode() + sample.numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def built_buckets(
+    model: PreTrainedModel, buckets: Sequence[int] = DEFAULT_BUCKETS, autotune: bool = True
+) -> list[int]:
+    """The buckets whose packages for ``model`` are on disk, as this process would load them."""
+    folder = compiled_dir() / package_key(model, autotune)
+    return [rows for rows in buckets if (folder / f"rows-{rows}" / _PACKAGE_FILE).is_file()]
+
+
 class _SlabWindow:
     """The cache the model sees inside a compiled graph: per layer, the slab's first ``L`` positions.
 
     ``L`` (the history plus this forward's rows) is the mask's last dimension; the new rows' keys
-    and values are written at ``L - rows .. L`` in place. The whole slab is the graph's input
-    (its capacity symbolic like ``L``): a view of it would carry the capacity in its strides,
-    which dynamo guards on, and every new capacity would compile again.
+    and values are written at ``L - rows .. L`` in place. The whole slab is the program's input,
+    its capacity a symbolic dimension like ``L``, so that one package serves a slab of any size
+    (a slab grows when a generation outruns it).
     """
 
     is_compileable = True
@@ -92,67 +138,124 @@ class _SlabWindow:
         return self.start
 
 
+class _ExportedForward(torch.nn.Module):
+    """The forward a package holds: ``(input_ids, position_ids, mask, keys, values)`` to the logits
+    and hidden states of the new rows, their keys and values written into the slabs in place."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, keys: list[Tensor], values: list[Tensor]
+    ):
+        stop = mask.shape[-1]
+        torch._check(stop <= keys[0].shape[2])  # the slab holds the history and the new rows
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=_SlabWindow(keys, values, stop - input_ids.shape[1], stop),
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        return out.logits, out.hidden_states
+
+
 class CompiledForward:
-    """The target model's tree forward, compiled per bucket of row counts.
+    """The target model's tree forward, compiled per bucket of row counts into on-disk packages.
 
     Args:
         model: the frozen target model (any ``transformers`` causal LM of full-attention layers).
         buckets: row counts to compile for; trees larger than the largest run eagerly.
         autotune: let inductor benchmark its C++ GEMM template against the library kernels
-            for every matrix shape (slower to compile, faster small-row products).
+            for every matrix shape (slower to build, faster small-row products).
+        build: build a bucket's package on its first use when none is on disk (minutes); False
+            uses only the packages already built and leaves other tree sizes to the eager forward.
     """
 
     def __init__(
-        self, model: PreTrainedModel, buckets: Sequence[int] = DEFAULT_BUCKETS, autotune: bool = True
+        self,
+        model: PreTrainedModel,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        autotune: bool = True,
+        build: bool = True,
     ):
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be row counts >= 1, got {list(buckets)}")
         self.model = model
         self.buckets = tuple(sorted(set(buckets)))
         self.autotune = autotune
-        #: seconds spent in the first call of each bucket (compiling, or loading from the disk cache)
+        self.build = build
+        #: this model's packages, one sub-folder per bucket
+        self.folder = compiled_dir() / package_key(model, autotune)
+        #: seconds the first call of each bucket took: building its package, or loading it
         self.compile_s: dict[int, float] = {}
-        self._compiled = None
+        #: the buckets this process built (the others it used were loaded)
+        self.built: set[int] = set()
+        self._runners: dict[int, Callable[..., tuple[Tensor, tuple[Tensor, ...]]]] = {}
+        #: the buckets whose packages were on disk when this forward was made
+        self._on_disk = {bucket for bucket in self.buckets if self.package(bucket).is_file()}
+
+    def package(self, rows: int) -> Path:
+        """The package file of the ``rows`` bucket."""
+        return self.folder / f"rows-{rows}" / _PACKAGE_FILE
 
     def bucket(self, rows: int) -> int | None:
-        """The smallest bucket holding ``rows``, or None when the tree is larger than all."""
-        return next((bucket for bucket in self.buckets if bucket >= rows), None)
+        """The smallest bucket holding ``rows`` that this forward serves, or None (eager)."""
+        return next((bucket for bucket in self.buckets if bucket >= rows and self._serves(bucket)), None)
 
-    def _graph(self):
-        if self._compiled is None:
-            _use_jetflow_caches()
-            import torch._dynamo
-            import torch._inductor.config as inductor
+    def _serves(self, bucket: int) -> bool:
+        return self.build or bucket in self._runners or bucket in self._on_disk
 
-            torch._dynamo.config.automatic_dynamic_shapes = False  # only the marked history length
-            limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
-            torch._dynamo.config.recompile_limit = limit
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-            inductor.freezing = True
-            if self.autotune:
-                inductor.max_autotune = True
-                inductor.max_autotune_gemm_backends = "CPP,ATEN"
-            # transformers installs its hidden-state capturing hooks on the first forward that asks
-            # for them, under a lock dynamo cannot trace: one eager token installs them beforehand
-            self.model(
-                input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device),
-                output_hidden_states=True,
-            )
-            self._compiled = torch.compile(self._forward, dynamic=False, fullgraph=True)
-        return self._compiled
+    def _runner(self, rows: int):
+        runner = self._runners.get(rows)
+        if runner is None:
+            started = time.perf_counter()
+            if not self.package(rows).is_file():
+                log.warning("compiling the target for %d-node trees: minutes, once on this machine", rows)
+                self._build(rows)
+                self.built.add(rows)
+            runner = torch._inductor.aoti_load_package(str(self.package(rows)))
+            self._runners[rows] = runner
+            self.compile_s[rows] = time.perf_counter() - started
+            verb = "compiled" if rows in self.built else "loaded"
+            log.info("%s the target for %d rows in %.1f s", verb, rows, self.compile_s[rows])
+        return runner
 
-    def _forward(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, keys, values):
-        stop = mask.shape[-1]
-        start = stop - input_ids.shape[1]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=_SlabWindow(keys, values, start, stop),
-            use_cache=True,
-            output_hidden_states=True,
+    def _build(self, rows: int) -> None:
+        """Export the forward for ``rows`` new rows and compile it into :meth:`package`."""
+        _use_jetflow_caches()
+        history = _EXAMPLE_HISTORY
+        cache = slab_cache(self.model, 1, history + rows + 1)
+        layers = slab_layers(cache) or []
+        example = (
+            torch.zeros(1, rows, dtype=torch.long, device=self.model.device),
+            torch.arange(history, history + rows, device=self.model.device)[None],
+            torch.zeros(1, 1, rows, history + rows, dtype=self.model.dtype, device=self.model.device),
+            [layer.key_slab for layer in layers],
+            [layer.value_slab for layer in layers],
         )
-        return out.logits, out.hidden_states
+        length = torch.export.Dim("length", min=rows + 1, max=_LONGEST)
+        capacity = {2: torch.export.Dim("capacity", min=rows + 1, max=_LONGEST)}  # >= length
+        shapes = ({}, {}, {3: length}, [capacity] * len(layers), [capacity] * len(layers))
+        # transformers installs its hidden-state capturing hooks on the first forward that asks
+        # for them, under a lock tracing cannot enter: one eager token installs them beforehand
+        self.model(input_ids=example[0][:, :1], output_hidden_states=True)
+        with unpacked(self.model), torch.no_grad():  # inductor packs the weights its own way
+            program = torch.export.export(
+                _ExportedForward(self.model), example, dynamic_shapes=shapes, strict=False
+            )
+        options: dict[str, object] = {"freezing": True}
+        if self.autotune:
+            # the progress line is jetflow's warning, not inductor's table of timings per GEMM
+            options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+            options["autotune_num_choices_displayed"] = 0
+        with atomic_path(self.package(rows).parent, replace=False) as staging:
+            staging.mkdir()
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(staging / self.package(rows).name), inductor_configs=options
+            )
 
     @torch.inference_mode()
     def __call__(
@@ -167,12 +270,11 @@ class CompiledForward:
         n = int(tokens.shape[0])
         rows = self.bucket(n)
         if rows is None:
-            raise ValueError(f"no bucket holds {n} rows (largest {self.buckets[-1]})")
+            raise ValueError(f"no bucket holds {n} rows (buckets {list(self.buckets)})")
         layers = slab_layers(cache)
         if layers is None:
             raise ValueError("the compiled forward writes into a slab cache (kv_cache.slab_cache)")
         history = layers[0].length
-        length = history + rows
         pad = rows - n
         device, dtype = tokens.device, self.model.dtype
         if pad:
@@ -182,22 +284,11 @@ class CompiledForward:
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
             ~visible, torch.finfo(dtype).min
         )
-        mask = mask[None, None]
         for layer in layers:
-            layer.reserve(length + 1)  # never exactly full: capacity == L would be specialised on
+            layer.reserve(history + rows)
         keys = [layer.key_slab for layer in layers]
         values = [layer.value_slab for layer in layers]
-        torch._dynamo.mark_dynamic(mask, 3, min=rows + 1, max=_LONGEST)
-        # The slabs outlive this call and every bucket's graph reads them: a range marked here
-        # would stay on them beside the next bucket's, so their length is only allowed to vary.
-        for slab in (*keys, *values):
-            torch._dynamo.maybe_mark_dynamic(slab, 2)
-        first = rows not in self.compile_s
-        started = time.perf_counter()
-        logits, hidden = self._graph()(tokens[None], positions[None], mask, keys, values)
-        if first:
-            self.compile_s[rows] = time.perf_counter() - started
-            log.info("compiled target graph for %d rows in %.1f s", rows, self.compile_s[rows])
+        logits, hidden = self._runner(rows)(tokens[None], positions[None], mask[None, None], keys, values)
         for layer in layers:
             layer.set_length(history + n)
         return logits[0, :n], tuple(state[0, :n] for state in hidden)

@@ -109,10 +109,11 @@ class GenerateConfig(_Frozen):
     seed: int = 0
     compile: bool | None = Field(
         None,
-        description="verify through the target compiled by inductor (one graph per tree-size bucket, "
-        "compiled on first use, cached on disk); off: the eager forward, exactly equal to "
-        "transformers.generate in fp32; None (auto): compiled where a calibration made with "
-        "`jetflow calibrate --compile` predicts more tokens/s than the eager one",
+        description="verify through the target compiled ahead of time (one package per tree-size "
+        "bucket, built on first use in minutes and loaded from disk by later runs); off: the eager "
+        "forward, exactly equal to transformers.generate in fp32; None (auto): compiled where a "
+        "calibration made with `jetflow calibrate --compile` predicts more tokens/s than the eager "
+        "one, with the buckets that calibration built",
     )
 
     @field_validator("stop")

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from jetflow.core.adaptive import AdaptiveBudget
 from jetflow.core.calibration_record import Calibration, CalibrationKey
 from jetflow.core.calibration_store import BudgetSource, cached_calibration, calibrate_command, compiling_pays
-from jetflow.core.compiled import CompiledForward
+from jetflow.core.compiled import CompiledForward, built_buckets
 from jetflow.core.config import DEFAULT_BUDGET, GenerateConfig
 from jetflow.core.contracts import (
     Drafter,
@@ -62,13 +62,15 @@ class Engine:
         engine = cls.__new__(cls)
         engine._assemble(config, target, registry)
         calibration = None
+        asked_to_compile = engine.config.compile is True
         if engine.drafter is not None:
             key = engine.calibration_key(compiled=False)
-            if engine.config.compile is None:
-                engine.config = engine.config.model_copy(update={"compile": compiling_pays(key)})
+            if engine.config.compile is None:  # the calibration's choice, with what was built for it
+                pays = compiling_pays(key) and bool(built_buckets(engine.target.model))
+                engine.config = engine.config.model_copy(update={"compile": pays})
             compiled = key.model_copy(update={"compiled": bool(engine.config.compile)})
             calibration = cached_calibration(compiled, engine.config.tree.budget, engine.config.target)
-        engine._start(calibration)
+        engine._start(calibration, build_packages=asked_to_compile)
         return engine
 
     def _assemble(self, config: GenerateConfig, target: Target | None, registry: Registry | None) -> None:
@@ -88,10 +90,14 @@ class Engine:
         verifier_cls = registry.get("verifier", config.verifier)
         self.verifier: Verifier = verifier_cls(verifier_cls.Params.model_validate(config.verifier_params))
 
-    def _start(self, calibration: Calibration | None) -> None:
-        """Compile as configured and take the budget (from ``calibration`` where it is left to jetflow)."""
+    def _start(self, calibration: Calibration | None, build_packages: bool = True) -> None:
+        """Compile as configured and take the budget (from ``calibration`` where it is left to jetflow).
+
+        ``build_packages`` False (compiling chosen by a calibration, not asked for): only the
+        tree sizes already compiled on this machine run compiled, so no run waits minutes for one.
+        """
         if self.target.compiled is None and self.config.compile:  # shared by every engine on this target
-            self.target.use_compiled(CompiledForward(self.target.model))
+            self.target.use_compiled(CompiledForward(self.target.model, build=build_packages))
         self.budget_source: BudgetSource = "fixed"
         #: re-chooses the budget every step when it comes from a calibration (``tree.adapt``)
         self.adaptive: AdaptiveBudget | None = None
