@@ -208,6 +208,14 @@ class CompiledForward:
     def _serves(self, bucket: int) -> bool:
         return self.build or bucket in self._runners or bucket in self._on_disk
 
+    def load(self, rows: int) -> None:
+        """Load now every built package a tree of up to ``rows`` nodes can run in (seconds each),
+        so that no generation pays for one in the middle of its decoding; builds nothing."""
+        largest = self.bucket(rows) or self.buckets[-1]
+        for bucket in self.buckets:
+            if bucket <= largest and (bucket in self._on_disk or self.package(bucket).is_file()):
+                self._runner(bucket)
+
     def _runner(self, rows: int):
         runner = self._runners.get(rows)
         if runner is None:
@@ -220,7 +228,7 @@ class CompiledForward:
             self._runners[rows] = runner
             self.compile_s[rows] = time.perf_counter() - started
             verb = "compiled" if rows in self.built else "loaded"
-            log.info("%s the target for %d rows in %.1f s", verb, rows, self.compile_s[rows])
+            log.info("%s the target for %d-node trees in %.1f s", verb, rows, self.compile_s[rows])
         return runner
 
     def _build(self, rows: int) -> None:

@@ -104,6 +104,9 @@ class Engine:
         self.shape = TreeShape(
             self._resolve_budget(calibration), self.config.tree.width, self.config.tree.max_depth
         )
+        if self.target.compiled is not None:  # the packages this engine's trees can use, before any timing
+            largest = self.adaptive.largest if self.adaptive is not None else self.shape.budget
+            self.target.compiled.load(rows=1 + largest if self.drafter is not None else 1)
         self._serving = threading.Lock()  # held by the generation in progress
 
     def calibration_key(self, compiled: bool | None = None) -> CalibrationKey:

@@ -124,8 +124,13 @@ def test_a_later_process_loads_the_packages_and_compiles_nothing(compiled_llama:
     compiled_llama.use_compiled(built)
     torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
     assert later.built == set() and list(later.compile_s) == [BUCKET]
+    later.load(rows=3)  # what an engine does before its first generation: every package a tree can use
+    assert sorted(later.compile_s) == list(BUCKETS) and later.built == set()
     other = make_tiny_target("llama", seed=4)
-    assert CompiledForward(other.model, buckets=BUCKETS, autotune=False).folder != built.folder
+    unbuilt = CompiledForward(other.model, buckets=BUCKETS, autotune=False)
+    assert unbuilt.folder != built.folder
+    unbuilt.load(rows=3)  # loading never builds: that is left to a tree's first forward
+    assert unbuilt.compile_s == {} and not unbuilt.package(BUCKET).exists()
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # kernels generated for one thread count serve no other
     try:
