@@ -9,8 +9,9 @@ with the library kernels for each matrix shape.
 A compile takes minutes, and an in-process ``torch.compile`` graph with frozen, prepacked weights
 cannot be cached across processes (inductor refuses to pickle oneDNN tensors): every process would
 pay the minutes again. So each bucket is exported (``torch.export``) and compiled by AOTInductor
-into a package under :func:`compiled_dir`, keyed by the model, torch and the processor's kernels:
-the first process that needs a bucket builds it, every later one loads it in seconds.
+into a package under :func:`compiled_dir`, keyed by the model, torch, the processor's kernels and
+the thread count: the first process that needs a bucket builds it, every later one loads it in
+seconds.
 ``jetflow calibrate --compile`` builds the buckets ahead of time; a run that did not ask to
 compile uses the buckets already built and verifies other tree sizes eagerly, so a first run on a
 new machine never waits for a compile.
@@ -111,7 +112,11 @@ def built_buckets(
 ) -> list[int]:
     """The buckets whose packages for ``model`` are on disk, as this process would load them."""
     folder = compiled_dir() / package_key(model, autotune)
-    return [rows for rows in buckets if (folder / f"rows-{rows}" / _PACKAGE_FILE).is_file()]
+    return [rows for rows in buckets if _package_path(folder, rows).is_file()]
+
+
+def _package_path(folder: Path, rows: int) -> Path:
+    return folder / f"rows-{rows}" / _PACKAGE_FILE
 
 
 class _SlabWindow:
@@ -199,7 +204,7 @@ class CompiledForward:
 
     def package(self, rows: int) -> Path:
         """The package file of the ``rows`` bucket."""
-        return self.folder / f"rows-{rows}" / _PACKAGE_FILE
+        return _package_path(self.folder, rows)
 
     def bucket(self, rows: int) -> int | None:
         """The smallest bucket holding ``rows`` that this forward serves, or None (eager)."""
