@@ -251,7 +251,8 @@ class CompiledForward:
         )
         length = torch.export.Dim("length", min=rows + 1, max=_LONGEST)
         capacity = {2: torch.export.Dim("capacity", min=rows + 1, max=_LONGEST)}  # >= length
-        shapes = ({}, {}, {3: length}, [capacity] * len(layers), [capacity] * len(layers))
+        fixed: dict[int, object] = {}  # the token and position inputs: every dimension static
+        shapes = (fixed, fixed, {3: length}, [capacity] * len(layers), [capacity] * len(layers))
         # transformers installs its hidden-state capturing hooks on the first forward that asks
         # for them, under a lock tracing cannot enter: one eager token installs them beforehand
         self.model(input_ids=example[0][:, :1], output_hidden_states=True)
