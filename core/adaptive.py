@@ -201,6 +201,21 @@ class AdaptiveBudget:
 
     def observe(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
         """Learn from one verified step that ran at ``budget`` and accepted ``path`` (root first)."""
+        self.observe_rows([(tree, path, budget)], nested)
+
+    def observe_rows(self, rows: Sequence[tuple[DraftTree, torch.Tensor, int]], nested: bool) -> None:
+        """Learn from one batched step: each row's tree, accepted path and the budget it ran at;
+        the choice is made again once, for the next step."""
+        for tree, path, budget in rows:
+            self._record(tree, path, budget, nested)
+        choice, self.choice = self.choice, self._choose()
+        if self.choice != choice:
+            self._interval = self.probe_every
+        elif self._probed and self.choice == 0:  # see the module docstring: only at budget 0
+            self._interval = min(2 * self._interval, self.max_probe_every)
+
+    def _record(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
+        """Add one row's step to the discounted counts."""
         self._emitted *= self.forgetting
         self._emitted_sq *= self.forgetting
         self._steps *= self.forgetting
@@ -215,11 +230,6 @@ class AdaptiveBudget:
         self._emitted[seen] += emitted
         self._emitted_sq[seen] += emitted**2
         self._steps[seen] += 1.0
-        choice, self.choice = self.choice, self._choose()
-        if self.choice != choice:
-            self._interval = self.probe_every
-        elif self._probed and self.choice == 0:  # see the module docstring: only at budget 0
-            self._interval = min(2 * self._interval, self.max_probe_every)
 
     def _use_rows(self, rows: int) -> None:
         """Price the candidates for steps of ``rows`` sequences (tau per sequence is unchanged)."""

@@ -108,6 +108,18 @@ class RefinableSession(DraftSession, Protocol):
 
 
 @runtime_checkable
+class DepthwiseSession(DraftSession, Protocol):
+    """A session whose proposals under a node depend only on the node's depth (a parallel head's
+    one distribution per depth): a policy can then grow the trees of many rows in one tensor program.
+    """
+
+    def depth_proposals(self, k: int) -> tuple[Tensor, Tensor]:
+        """The ``k`` best children of a node at each depth: ``(tokens [D, k], logprobs [D, k])``,
+        row ``d`` for a node at depth ``d``, best first, ``-inf`` where absent."""
+        ...
+
+
+@runtime_checkable
 class CountedSession(DraftSession, Protocol):
     """A session that counts the drafter model forwards it ran this step (the engine records them)."""
 
@@ -219,6 +231,22 @@ class TreePolicy(Plugin, ABC):
     @abstractmethod
     def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
         """Grow ``root`` (a one-node tree) into a tree of at most ``shape.budget`` drafted nodes."""
+
+    @classmethod
+    def build_rows(
+        cls,
+        policies: Sequence[TreePolicy],
+        sessions: Sequence[DraftSession],
+        roots: Sequence[DraftTree],
+        shape: TreeShape,
+    ) -> list[DraftTree]:
+        """The trees of one batched step: row ``r`` grown by ``policies[r]`` (its own copy of this
+        policy, with its own state) from ``sessions[r]``. Each row builds alone by default; a policy
+        that can grow every row's tree in one tensor program overrides this."""
+        return [
+            policy.build(session, root, shape)
+            for policy, session, root in zip(policies, sessions, roots, strict=True)
+        ]
 
 
 @dataclass(frozen=True)

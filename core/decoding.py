@@ -128,13 +128,14 @@ class BatchRun:
         t2 = time.perf_counter()
 
         total = sum(tree.size - 1 for tree in trees)
-        for (slot, sequence), tree, decision in zip(live, trees, decisions, strict=True):
-            ran = share if len(live) == 1 else tree.size - 1  # a row of a batch: the nodes it got
-            if engine.adaptive:
-                engine.adaptive.observe(tree, decision.path, ran, nested)
+        ran = [share if len(live) == 1 else tree.size - 1 for tree in trees]  # a row of a batch: its nodes
+        if engine.adaptive:
+            accepted = [decision.path for decision in decisions]
+            engine.adaptive.observe_rows(list(zip(trees, accepted, ran, strict=True)), nested)
+        for (slot, sequence), tree, decision, nodes in zip(live, trees, decisions, ran, strict=True):
             sequence.calibration.observe(tree, decision.accepted)
             sequence.steps.append(
-                StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards, ran, len(live), total)
+                StepRecord(decision.accepted, tree.size, t1 - t0, t2 - t1, forwards, nodes, len(live), total)
             )
             emitted = [*tree.tokens[decision.path[1:]].tolist(), decision.next_token]
             emitted, finish = self._truncate(sequence.new, emitted, self.limit)
@@ -166,12 +167,8 @@ class BatchRun:
         # ... and not where a refined session rebuilds them
         reallocate = spread and not any(isinstance(session, RefinableSession) for session in sessions)
         budget = cap if reallocate else share
-        trees, forwards, nested = [], 0, True
-        for (_, sequence), session, context in zip(live, sessions, contexts, strict=True):
-            tree, row_forwards, row_nested = self._build(sequence.policy, session, context, budget)
-            trees.append(tree)
-            nested &= row_nested
-            forwards = max(forwards, row_forwards)
+        policies = [sequence.policy for _, sequence in live]
+        trees, forwards, nested = self._build_rows(policies, sessions, contexts, budget)
         if reallocate:
             trees = allocate(trees, share * len(live), [sequence.calibration.ratio for _, sequence in live])
         return trees, forwards, nested
@@ -197,26 +194,34 @@ class BatchRun:
             return self.engine.budget
         return Counter(step.budget for step in steps).most_common(1)[0][0]
 
-    def _build(
-        self, policy: TreePolicy, session: DraftSession, context: DraftContext, budget: int
-    ) -> tuple[DraftTree, int, bool]:
-        """A row's tree from its ``session``, the drafter forwards it cost, and whether it is nested.
+    def _build_rows(
+        self,
+        policies: list[TreePolicy],
+        sessions: list[DraftSession],
+        contexts: list[DraftContext],
+        budget: int,
+    ) -> tuple[list[DraftTree], int, bool]:
+        """Every row's tree from its session, the drafter forwards they cost, and whether all are
+        nested (:attr:`TreePolicy.nested`: its ``b`` best nodes are the tree of budget ``b``).
 
-        Nested (:attr:`TreePolicy.nested`): its ``b`` best nodes are the tree of budget ``b``.
-        A session offering ``refine`` gets the built tree back and the policy builds again
-        from the refined session (e.g. JetFlow's path-conditioned refresh); the rebuilt tree
-        is scored by the refined session and is not nested.
+        The policy grows all rows at once (:meth:`TreePolicy.build_rows`). Where a session offers
+        ``refine`` (e.g. JetFlow's path-conditioned refresh) each row's built tree goes back to it
+        and the policy builds again from the refined session; that tree is scored by the refined
+        session and is not nested.
         """
-        root = DraftTree.root(context.tokens[-1])
+        roots = [DraftTree.root(context.tokens[-1]) for context in contexts]
         shape = replace(self.engine.shape, budget=budget)
-        tree = policy.build(session, root, shape)
-        nested = policy.nested
-        if isinstance(session, RefinableSession):
-            session = session.refine(tree)
-            tree = policy.build(session, root, shape)
-            nested = False
-        forwards = session.forwards if isinstance(session, CountedSession) else 0
-        return tree, forwards, nested
+        trees = type(policies[0]).build_rows(policies, sessions, roots, shape)
+        nested = policies[0].nested
+        for row, session in enumerate(sessions):
+            if isinstance(session, RefinableSession):
+                sessions[row] = session.refine(trees[row])
+                trees[row] = policies[row].build(sessions[row], roots[row], shape)
+                nested = False
+        forwards = max(
+            (session.forwards for session in sessions if isinstance(session, CountedSession)), default=0
+        )
+        return trees, forwards, nested
 
     def _truncate(
         self, done: list[int], emitted: list[int], limit: int

@@ -62,7 +62,7 @@ class DraftTree:
             tokens = token.reshape(1).to(device=device, dtype=torch.long)
         else:
             tokens = torch.tensor([token], dtype=torch.long, device=device)
-        return cls._derived(
+        return cls.derived(
             tokens=tokens,
             parents=torch.full((1,), -1, dtype=torch.long, device=tokens.device),
             scores=torch.zeros(1, device=tokens.device),
@@ -72,7 +72,7 @@ class DraftTree:
         )
 
     @classmethod
-    def _derived(
+    def derived(
         cls,
         tokens: Tensor,
         parents: Tensor,
@@ -163,7 +163,7 @@ class DraftTree:
         draft_probs = self.draft_probs
         if draft_probs is not None:
             draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(m, draft_probs.shape[1])])
-        return DraftTree._derived(
+        return DraftTree.derived(
             tokens=torch.cat([self.tokens, tokens.to(device=device, dtype=torch.long)]),
             parents=torch.cat([self.parents, parents]),
             scores=torch.cat([self.scores, self.scores[parents] + logprobs.to(device, self.scores.dtype)]),
@@ -180,7 +180,7 @@ class DraftTree:
         draft_probs = draft_probs.index_copy(
             0, nodes.to(self.device, torch.long), probs.to(draft_probs.device, draft_probs.dtype)
         )
-        return DraftTree._derived(
+        return DraftTree.derived(
             self.tokens, self.parents, self.scores, draft_probs, self.ancestor_mask, self.depths
         )
 
@@ -199,7 +199,7 @@ class DraftTree:
         old_parents = self.parents[keep]
         parents = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
         draft_probs = None if self.draft_probs is None else self.draft_probs[keep]
-        return DraftTree._derived(
+        return DraftTree.derived(
             tokens=self.tokens[keep],
             parents=parents,
             scores=self.scores[keep],

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from jetflow.core.contracts import DraftSession, TreePolicy, TreeShape
+from collections.abc import Sequence
+
+from jetflow.core.contracts import DepthwiseSession, DraftSession, TreePolicy, TreeShape
 from jetflow.core.hookspecs import hookimpl
 from jetflow.core.tree import DraftTree
-from jetflow.policies.levelwise import grow_levelwise
+from jetflow.policies.levelwise import grow_depthwise_rows, grow_levelwise
 
 
 class BestFirst(TreePolicy):
@@ -15,6 +17,21 @@ class BestFirst(TreePolicy):
 
     def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
         return grow_levelwise(session, root, shape, frontier=shape.budget)
+
+    @classmethod
+    def build_rows(
+        cls,
+        policies: Sequence[TreePolicy],
+        sessions: Sequence[DraftSession],
+        roots: Sequence[DraftTree],
+        shape: TreeShape,
+    ) -> list[DraftTree]:
+        """All rows' trees in one tensor program where every session proposes per depth (the
+        policy holds no per-row state, so ``policies`` only say how many rows there are)."""
+        depthwise = [session for session in sessions if isinstance(session, DepthwiseSession)]
+        if len(depthwise) < len(sessions):
+            return super().build_rows(policies, sessions, roots, shape)
+        return grow_depthwise_rows(depthwise, roots, shape, frontier=shape.budget)
 
 
 @hookimpl

@@ -6,14 +6,19 @@ best-first search equals "keep the top-``budget`` scores". Growing one level at 
 with a batched ``children`` call per level therefore finds the exact best-first tree,
 keeping at most ``frontier`` nodes per level (``budget`` for best-first, a small top-k for
 EAGLE-2's dynamic tree, 1 for a chain). Python loops only over levels, never over nodes.
+Where a node's proposals depend only on its depth (a parallel head), the trees of all rows of
+a batched step grow together, one tensor program per level.
 The tree lives on the root's device (the target's); a session's answers are moved there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from jetflow.core.contracts import DraftSession, TreeShape
+from jetflow.core.contracts import DepthwiseSession, DraftSession, TreeShape
 from jetflow.core.tree import DraftTree
+from torch import Tensor
 
 
 def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, frontier: int) -> DraftTree:
@@ -28,7 +33,7 @@ def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, fro
         n_valid = int(torch.isfinite(scores).sum())
         if n_valid == 0:
             break
-        best_scores, best = scores.topk(min(frontier, shape.budget, n_valid))
+        best_scores, best = _best(scores, min(frontier, shape.budget, n_valid))
         # Once the budget is full, a level whose best node loses to the budget-th best
         # node cannot contribute, and nothing deeper can either: stop early.
         if tree.draft_size >= shape.budget and best_scores[0] < tree.scores[1:].topk(shape.budget).values[-1]:
@@ -43,6 +48,13 @@ def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, fro
     return keep_best(tree, shape.budget)
 
 
+def _best(scores: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` best of the last dimension, ties in index order (``topk`` leaves their
+    order to the kernel, which could grow a row alone and in a batch differently)."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :count], indices[..., :count]
+
+
 def keep_best(tree: DraftTree, budget: int) -> DraftTree:
     """The sub-tree of the ``budget`` highest-scoring drafted nodes.
 
@@ -55,3 +67,95 @@ def keep_best(tree: DraftTree, budget: int) -> DraftTree:
     keep = torch.zeros(tree.size, dtype=torch.bool, device=tree.device)
     keep[order] = True
     return tree.select(keep)
+
+
+def grow_depthwise_rows(
+    sessions: Sequence[DepthwiseSession], roots: Sequence[DraftTree], shape: TreeShape, frontier: int
+) -> list[DraftTree]:
+    """:func:`grow_levelwise` for every row of a batch at once, where a node's proposals depend
+    only on its depth: the same trees (the ``shape.budget`` best nodes of each row, in the order
+    the row's own growth gives them), with the Python loop over levels only, not over rows.
+
+    Every row keeps the same number of frontier slots per level; absent proposals (``-inf``)
+    hold a slot as placeholders and are dropped at the end. A new node's ancestor row is its
+    parent's plus itself, so the masks grow with the levels.
+    """
+    if shape.budget <= 0 or not roots:
+        return list(roots)
+    device = roots[0].device
+    tokens, logprobs = _stacked_proposals(sessions, shape, device)  # [R, D, k] each
+    rows, depth, width = tokens.shape
+    sizes = _level_sizes(depth, width, min(frontier, shape.budget))
+    nodes = sum(sizes)
+    row_index = torch.arange(rows, device=device)[:, None]
+    scores = torch.zeros(rows, nodes, device=device)
+    parents = torch.full((rows, nodes), -1, dtype=torch.long, device=device)
+    node_tokens = torch.empty(rows, nodes, dtype=torch.long, device=device)
+    node_tokens[:, 0] = torch.stack([root.tokens[0] for root in roots])
+    depths = torch.tensor([level for level, size in enumerate(sizes) for _ in range(size)], device=device)
+    masks = torch.zeros(rows, nodes, nodes, dtype=torch.bool, device=device)
+    own = masks.diagonal(dim1=1, dim2=2)  # a view: node i's own bit
+    own[:, 0] = True
+    start = 0
+    for level, size in enumerate(sizes[1:]):
+        stop = start + sizes[level]  # the frontier: the previous level's nodes
+        candidates = (scores[:, start:stop, None] + logprobs[:, level, None, :]).flatten(1)  # [R, f * k]
+        best, index = _best(candidates, size)
+        new = slice(stop, stop + size)
+        scores[:, new] = best
+        parents[:, new] = start + index // width
+        node_tokens[:, new] = tokens[:, level].gather(1, index % width)
+        masks[:, new] = masks[row_index, parents[:, new]]
+        own[:, new] = True
+        start = stop
+    # The budget best drafted nodes of each row (a stable sort ranks a parent before an equally
+    # scored child), never a placeholder.
+    order = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, : shape.budget]
+    keep = torch.zeros(rows, nodes, dtype=torch.bool, device=device)
+    keep[:, 0] = True
+    keep[row_index, order + 1] = True
+    keep &= torch.isfinite(scores)
+    new_index = keep.cumsum(1) - 1
+    trees = []
+    for row in range(rows):
+        kept = keep[row]
+        old_parents = parents[row, kept]
+        trees.append(
+            DraftTree.derived(
+                tokens=node_tokens[row, kept],
+                parents=torch.where(old_parents >= 0, new_index[row, old_parents.clamp(min=0)], -1),
+                scores=scores[row, kept],
+                draft_probs=None,
+                mask=masks[row][kept][:, kept],
+                depths=depths[kept],
+            )
+        )
+    return trees
+
+
+def _level_sizes(depth: int, width: int, frontier: int) -> list[int]:
+    """Nodes per level: the root, then up to ``frontier`` of the previous level's children."""
+    sizes = [1]
+    for _ in range(depth):
+        sizes.append(min(frontier, sizes[-1] * width))
+    return sizes
+
+
+def _stacked_proposals(
+    sessions: Sequence[DepthwiseSession], shape: TreeShape, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Every row's per-depth proposals ``[R, D, k]``, cut to the shape's depth; rows with fewer
+    depths are padded with absent proposals."""
+    proposals = [session.depth_proposals(shape.width) for session in sessions]
+    depth = min(shape.max_depth, max(int(values.shape[0]) for _, values in proposals))
+    if all(int(values.shape[0]) >= depth for _, values in proposals):
+        tokens = torch.stack([row_tokens[:depth] for row_tokens, _ in proposals])
+        logprobs = torch.stack([row_logprobs[:depth] for _, row_logprobs in proposals])
+        return tokens.to(device), logprobs.to(device, torch.float32)
+    tokens = torch.zeros(len(proposals), depth, shape.width, dtype=torch.long, device=device)
+    logprobs = torch.full((len(proposals), depth, shape.width), float("-inf"), device=device)
+    for row, (row_tokens, row_logprobs) in enumerate(proposals):
+        rows = min(depth, int(row_logprobs.shape[0]))
+        tokens[row, :rows] = row_tokens[:rows].to(device)
+        logprobs[row, :rows] = row_logprobs[:rows].to(device, logprobs.dtype)
+    return tokens, logprobs

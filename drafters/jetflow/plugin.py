@@ -77,14 +77,14 @@ class PerDepthSession:
         rows = self.logprobs[depths.clamp(max=self.logprobs.shape[0] - 1)].exp()
         return self.full_vocabulary(rows.masked_fill((depths >= self.logprobs.shape[0])[:, None], 0.0))
 
-    def topk(self, k: int) -> tuple[Tensor, Tensor]:
+    def depth_proposals(self, k: int) -> tuple[Tensor, Tensor]:
         """Top-``k`` per depth, computed once per ``k``: ``(tokens [D, k], logprobs [D, k])``."""
         if k not in self._top:
             self._top[k] = top_proposals(self.logprobs, k, self.vocab)
         return self._top[k]
 
     def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        tokens, values = self.topk(k)
+        tokens, values = self.depth_proposals(k)
         depths = tree.depths[nodes]  # children sit at depth + 1, i.e. row `depth`
         rows = depths.clamp(max=values.shape[0] - 1)
         logprobs = values[rows].masked_fill((depths >= values.shape[0])[:, None], float("-inf"))
@@ -149,7 +149,7 @@ class PathConditionedSession:
         first = self._matches(tree)[nodes]
         hit = first >= 0
         if bool(hit.any()):
-            ids, values = self.per_node.topk(k)
+            ids, values = self.per_node.depth_proposals(k)
             tokens[hit], logprobs[hit] = ids[first[hit]], values[first[hit]]
         return tokens, logprobs
 

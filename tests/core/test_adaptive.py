@@ -184,6 +184,20 @@ def test_a_policy_that_is_not_nested_teaches_only_the_budget_it_ran() -> None:
     assert np.array_equal(before[:3], after[:3]) and after[3] > before[3]
 
 
+def test_a_batched_step_is_learned_row_by_row_and_chosen_from_once() -> None:
+    """`observe_rows` counts every row as `observe` would, and makes the choice once per step."""
+    rows = [(_chain([-0.1, -0.2]), torch.arange(3), 2), (_chain([-0.1]), torch.arange(1), 1)] * 3
+    one_by_one, batched = _controller(), _controller()
+    for tree, path, budget in rows:
+        one_by_one.observe(tree, path, budget, nested=True)
+    batched.observe_rows(rows, nested=True)
+    assert np.allclose(one_by_one.tau(), batched.tau()) and one_by_one.choice == batched.choice
+    calls = []
+    batched._choose = lambda: calls.append(1) or 0  # type: ignore[method-assign]
+    batched.observe_rows(rows, nested=True)
+    assert len(calls) == 1
+
+
 def test_invalid_candidates_are_refused() -> None:
     with pytest.raises(ValueError):
         AdaptiveBudget(budgets=[0, 0], cost_s=[0.1, 0.1], prior_tau=[1, 1])

@@ -116,3 +116,64 @@ def test_greedy_rejects_everything_when_no_child_matches() -> None:
     decision = Greedy(Greedy.Params()).accept(tree, logits, torch.Generator())
     assert decision.path.tolist() == [0]
     assert decision.next_token == 5
+
+
+class DepthSession:
+    """Proposals that depend only on a node's depth (a parallel head), with ties, absent
+    proposals past a small draft vocabulary and fewer depths than the shape allows."""
+
+    def __init__(self, seed: int, depths: int, vocab: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        logits = torch.randint(0, 4, (depths, vocab), generator=generator).float()  # ties on purpose
+        self.logprobs = torch.log_softmax(logits, dim=1)
+        self.max_depth = depths
+
+    def depth_proposals(self, k: int) -> tuple[Tensor, Tensor]:
+        values, tokens = self.logprobs.topk(min(k, self.logprobs.shape[1]), dim=1)
+        pad = k - values.shape[1]
+        absent = torch.full((values.shape[0], pad), float("-inf"))
+        tokens = torch.cat([tokens, torch.zeros_like(absent, dtype=torch.long)], 1)
+        return tokens, torch.cat([values, absent], 1)
+
+    def children(self, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        tokens, values = self.depth_proposals(k)
+        depths = tree.depths[nodes]
+        rows = depths.clamp(max=values.shape[0] - 1)
+        return tokens[rows], values[rows].masked_fill((depths >= values.shape[0])[:, None], float("-inf"))
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 5),
+    budget=st.integers(1, 12),
+    width=st.integers(1, 4),
+    max_depth=st.integers(1, 6),
+    vocab=st.integers(1, 6),
+)
+@settings(max_examples=60, deadline=None)
+def test_batched_growth_equals_each_row_grown_alone(
+    seed: int, rows: int, budget: int, width: int, max_depth: int, vocab: int
+) -> None:
+    """`build_rows` over depthwise sessions gives every row exactly the tree `build` gives it:
+    same nodes in the same order, scores, ancestor masks and depths."""
+    shape = TreeShape(budget=budget, width=width, max_depth=max_depth)
+    sessions = [DepthSession(seed + row, depths=1 + (seed + row) % 5, vocab=vocab) for row in range(rows)]
+    roots = [DraftTree.root(torch.tensor(row)) for row in range(rows)]
+    for policy_class in (BestFirst, Chain):
+        policy = policy_class(policy_class.Params())
+        batched = policy_class.build_rows([policy] * rows, sessions, roots, shape)
+        for session, root, tree in zip(sessions, roots, batched, strict=True):
+            alone = policy.build(session, root, shape)
+            for part in ("tokens", "parents", "scores", "ancestor_mask", "depths"):
+                assert torch.equal(getattr(tree, part), getattr(alone, part)), (policy_class.name, part)
+
+
+def test_batched_growth_falls_back_to_each_row_for_path_dependent_sessions() -> None:
+    """A session whose children depend on the path builds row by row, as `build` does."""
+    shape = TreeShape(budget=6, width=3, max_depth=4)
+    sessions = [PathSession(seed) for seed in range(3)]
+    roots = [DraftTree.root(torch.tensor(1)) for _ in sessions]
+    policy = BestFirst(BestFirst.Params())
+    batched = BestFirst.build_rows([policy] * 3, sessions, roots, shape)
+    for session, root, tree in zip(sessions, roots, batched, strict=True):
+        assert torch.equal(tree.tokens, policy.build(session, root, shape).tokens)

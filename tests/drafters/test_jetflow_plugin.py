@@ -68,7 +68,7 @@ def test_session_maps_draft_vocabulary_columns_to_token_ids() -> None:
     session = PerDepthSession(logprobs, vocab=torch.tensor([10, 20, 30]))
     tokens, scores = session.children(DraftTree.root(1), torch.tensor([0]), k=2)
     assert tokens.tolist() == [[20, 30]] and torch.equal(scores, logprobs.topk(2).values)
-    per_depth_tokens, per_depth_values = session.topk(2)  # (tokens, values), like every proposal call
+    per_depth_tokens, per_depth_values = session.depth_proposals(2)  # (tokens, values)
     assert per_depth_tokens.tolist() == [[20, 30]] and torch.equal(per_depth_values, scores)
 
 
