@@ -223,7 +223,8 @@ class AdaptiveBudget:
         emitted: np.ndarray | float  # per candidate budget seen, or one count for the budget run
         if nested:
             seen = self.budgets <= budget
-            emitted = 1 + accepted_within(tree, path, self.budgets[seen])
+            # a root-only tree (budget 0, or nothing proposed) emits its one token at every budget
+            emitted = 1 + accepted_within(tree, path, self.budgets[seen]) if tree.size > 1 else 1.0
         else:
             seen = self.budgets == budget
             emitted = float(len(path))  # the root plus the accepted drafted tokens
