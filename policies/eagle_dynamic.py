@@ -8,10 +8,9 @@ kept. With ``top_k >= budget`` this is exactly best-first search.
 
 from __future__ import annotations
 
-from jetflow.core.contracts import DraftSession, TreePolicy, TreeShape
+from jetflow.core.contracts import TreeShape
 from jetflow.core.hookspecs import hookimpl
-from jetflow.core.tree import DraftTree
-from jetflow.policies.levelwise import grow_levelwise
+from jetflow.policies.levelwise import LevelwisePolicy
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -23,14 +22,14 @@ class EagleDynamicParams(BaseModel):
     top_k: int = Field(10, ge=1, description="nodes expanded per level (EAGLE-2's released default: 10)")
 
 
-class EagleDynamic(TreePolicy):
+class EagleDynamic(LevelwisePolicy):
     name = "eagle-dynamic"
     description = "EAGLE-2 dynamic tree: expand the top-k nodes of each level, keep the best budget nodes"
     Params = EagleDynamicParams
     params: EagleDynamicParams
 
-    def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
-        return grow_levelwise(session, root, shape, frontier=self.params.top_k)
+    def frontier(self, shape: TreeShape) -> int:
+        return self.params.top_k
 
 
 @hookimpl

@@ -13,12 +13,46 @@ The tree lives on the root's device (the target's); a session's answers are move
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
-from jetflow.core.contracts import DepthwiseSession, DraftSession, TreeShape
+from jetflow.core.contracts import DepthwiseSession, DraftSession, TreePolicy, TreeShape
 from jetflow.core.tree import DraftTree
 from torch import Tensor
+
+
+class LevelwisePolicy(TreePolicy):
+    """A policy that grows level by level, keeping ``frontier`` nodes of each level to expand."""
+
+    @abstractmethod
+    def frontier(self, shape: TreeShape) -> int:
+        """Nodes of a level expanded into the next."""
+
+    def level_shape(self, shape: TreeShape) -> TreeShape:
+        """The shape actually grown (a chain narrows it to one child per node)."""
+        return shape
+
+    def build(self, session: DraftSession, root: DraftTree, shape: TreeShape) -> DraftTree:
+        grown = self.level_shape(shape)
+        return grow_levelwise(session, root, grown, frontier=self.frontier(grown))
+
+    @classmethod
+    def build_rows(
+        cls,
+        policies: Sequence[TreePolicy],
+        sessions: Sequence[DraftSession],
+        roots: Sequence[DraftTree],
+        shape: TreeShape,
+    ) -> list[DraftTree]:
+        """All rows' trees in one tensor program where every session proposes per depth; the rows'
+        policies are copies of one, so the first says the frontier."""
+        depthwise = [session for session in sessions if isinstance(session, DepthwiseSession)]
+        policy = policies[0]
+        if len(depthwise) < len(sessions) or not isinstance(policy, LevelwisePolicy):
+            return super().build_rows(policies, sessions, roots, shape)
+        grown = policy.level_shape(shape)
+        return grow_depthwise_rows(depthwise, roots, grown, frontier=policy.frontier(grown))
 
 
 def grow_levelwise(session: DraftSession, root: DraftTree, shape: TreeShape, frontier: int) -> DraftTree:

@@ -11,6 +11,7 @@ from jetflow.core.contracts import TreeShape
 from jetflow.core.tree import DraftTree
 from jetflow.policies.best_first import BestFirst
 from jetflow.policies.chain import Chain
+from jetflow.policies.eagle_dynamic import EagleDynamic
 from jetflow.verifiers.greedy import Greedy
 from torch import Tensor
 
@@ -159,8 +160,13 @@ def test_batched_growth_equals_each_row_grown_alone(
     shape = TreeShape(budget=budget, width=width, max_depth=max_depth)
     sessions = [DepthSession(seed + row, depths=1 + (seed + row) % 5, vocab=vocab) for row in range(rows)]
     roots = [DraftTree.root(torch.tensor(row)) for row in range(rows)]
-    for policy_class in (BestFirst, Chain):
-        policy = policy_class(policy_class.Params())
+    policies = [
+        BestFirst(BestFirst.Params()),
+        Chain(Chain.Params()),
+        EagleDynamic(EagleDynamic.Params(top_k=2)),
+    ]
+    for policy in policies:
+        policy_class = type(policy)
         batched = policy_class.build_rows([policy] * rows, sessions, roots, shape)
         for session, root, tree in zip(sessions, roots, batched, strict=True):
             alone = policy.build(session, root, shape)
