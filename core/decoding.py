@@ -209,6 +209,7 @@ class BatchRun:
         and the policy builds again from the refined session; that tree is scored by the refined
         session and is not nested.
         """
+        sessions = list(sessions)  # a refined row's session replaces its own here
         roots = [DraftTree.root(context.tokens[-1]) for context in contexts]
         shape = replace(self.engine.shape, budget=budget)
         trees = type(policies[0]).build_rows(policies, sessions, roots, shape)
