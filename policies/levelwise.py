@@ -17,6 +17,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from jetflow.core.contracts import DepthwiseSession, DraftSession, TreePolicy, TreeShape
 from jetflow.core.tree import DraftTree
 from torch import Tensor
@@ -182,14 +183,11 @@ def _stacked_proposals(
     depths are padded with absent proposals."""
     proposals = [session.depth_proposals(shape.width) for session in sessions]
     depth = min(shape.max_depth, max(int(values.shape[0]) for _, values in proposals))
-    if all(int(values.shape[0]) >= depth for _, values in proposals):
-        tokens = torch.stack([row_tokens[:depth] for row_tokens, _ in proposals])
-        logprobs = torch.stack([row_logprobs[:depth] for _, row_logprobs in proposals])
-        return tokens.to(device), logprobs.to(device, torch.float32)
-    tokens = torch.zeros(len(proposals), depth, shape.width, dtype=torch.long, device=device)
-    logprobs = torch.full((len(proposals), depth, shape.width), float("-inf"), device=device)
-    for row, (row_tokens, row_logprobs) in enumerate(proposals):
-        rows = min(depth, int(row_logprobs.shape[0]))
-        tokens[row, :rows] = row_tokens[:rows].to(device)
-        logprobs[row, :rows] = row_logprobs[:rows].to(device, logprobs.dtype)
+
+    def padded(part: Tensor, fill: float) -> Tensor:
+        part = part[:depth].to(device)
+        return F.pad(part, (0, 0, 0, depth - part.shape[0]), value=fill)
+
+    tokens = torch.stack([padded(row_tokens, 0) for row_tokens, _ in proposals])
+    logprobs = torch.stack([padded(row_logprobs.float(), float("-inf")) for _, row_logprobs in proposals])
     return tokens, logprobs
