@@ -44,7 +44,8 @@ class RaggedRows:
         token_positions: ``[S]`` cache position of each flattened token.
         slots: ``[rows, nodes]`` flattened index of each padded slot (0 where padding).
         valid: ``[rows, nodes]`` which padded slots hold a token.
-        width: key columns attended (the longest row after the write).
+        width: key columns attended: the slab's whole storage, at least the longest row after
+            the write (columns past a row's own length are masked).
     """
 
     starts: Tensor
@@ -56,8 +57,11 @@ class RaggedRows:
     width: int
 
     @classmethod
-    def of(cls, starts: Sequence[int], counts: Sequence[int], device: torch.device) -> RaggedRows:
-        """The layout of rows with ``starts`` cached positions receiving ``counts`` tokens each."""
+    def of(
+        cls, starts: Sequence[int], counts: Sequence[int], device: torch.device, width: int = 0
+    ) -> RaggedRows:
+        """The layout of rows with ``starts`` cached positions receiving ``counts`` tokens each,
+        attending over ``width`` key columns (at least the longest row after the write)."""
         starts_t = torch.tensor(starts, dtype=torch.long, device=device)
         counts_t = torch.tensor(counts, dtype=torch.long, device=device)
         nodes = max(max(counts), 1)
@@ -73,7 +77,7 @@ class RaggedRows:
             token_positions=(starts_t[:, None] + local[None, :])[valid],
             slots=slots,
             valid=valid,
-            width=max(s + c for s, c in zip(starts, counts, strict=True)),
+            width=max(width, *(s + c for s, c in zip(starts, counts, strict=True))),
         )
 
     @property

@@ -36,7 +36,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from jetflow.core.contracts import CountedSession, DraftContext, Drafter, DraftSession, RefinableSession
+from jetflow.core.contracts import DraftContext, Drafter, DraftSession, forwards_of, is_refinable
 from jetflow.core.errors import ConfigError
 from jetflow.core.tree import DraftTree
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -148,7 +148,7 @@ class ComposedSession:
         self._record = record
         bounded = [s.max_depth for s in self.sessions if s.max_depth is not None]
         self.max_depth = max(bounded) if len(bounded) == len(self.sessions) else None
-        if any(isinstance(s, RefinableSession) for s in self.sessions):
+        if any(is_refinable(s) for s in self.sessions):
             self.refine = self._refine  # the engine refines a session that offers it
 
     def _refine(self, tree: DraftTree) -> ComposedSession:
@@ -158,13 +158,13 @@ class ComposedSession:
         proposals are judged for the hit rate.
         """
         self._record.clear()
-        refined = [s.refine(tree) if isinstance(s, RefinableSession) else s for s in self.sessions]
+        refined = [s.refine(tree) if is_refinable(s) else s for s in self.sessions]
         return ComposedSession(refined, self.weight, self._record)
 
     @property
     def forwards(self) -> int:
         """Head forwards this step (the engine records it), summed over both drafters."""
-        return sum(s.forwards for s in self.sessions if isinstance(s, CountedSession))
+        return sum(map(forwards_of, self.sessions))
 
     def _ask(self, session: DraftSession, tree: DraftTree, nodes: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``session``'s children of ``nodes``; nothing at nodes as deep as it reaches."""

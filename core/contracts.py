@@ -13,7 +13,7 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
 from jetflow.core.tree import DraftTree
@@ -124,6 +124,26 @@ class CountedSession(DraftSession, Protocol):
     """A session that counts the drafter model forwards it ran this step (the engine records them)."""
 
     forwards: int
+
+
+# The engine asks these of every row's session every step. A session is a DraftSession already,
+# so each protocol's one addition is checked directly: ``isinstance`` against a runtime protocol
+# walks all of the protocol's members on every call, a sizeable share of a batched step.
+
+
+def is_refinable(session: DraftSession) -> TypeGuard[RefinableSession]:
+    """``isinstance(session, RefinableSession)`` for a session."""
+    return callable(getattr(session, "refine", None))
+
+
+def is_depthwise(session: DraftSession) -> TypeGuard[DepthwiseSession]:
+    """``isinstance(session, DepthwiseSession)`` for a session."""
+    return callable(getattr(session, "depth_proposals", None))
+
+
+def forwards_of(session: DraftSession) -> int:
+    """The drafter forwards a session counted (:class:`CountedSession`), 0 if it counts none."""
+    return int(getattr(session, "forwards", 0))
 
 
 class Drafter(Plugin, ABC):

@@ -7,10 +7,12 @@ conditions; the rows share the drafter's one batched forward (:meth:`Drafter.beg
 the target's one verify forward (:meth:`Target.verify_rows`) and the step's node budget,
 which :mod:`jetflow.core.allocation` spends where it accepts.
 
-Memory: the KV cache is one slab of ``rows x capacity`` positions allocated per run, where
-``capacity`` is the most any queued prompt needs (its tokens, its answer and the largest
-tree); a finished row's positions are reused by the next prompt, so the run never holds
-more than ``rows`` sequences' histories.
+Memory: the KV cache is one slab of ``rows x capacity`` positions per run. One row's slab is
+allocated once at the most its prompt needs (its tokens, its answer and the largest tree); a
+batch's is sized to the longest history in flight and follows it, growing and shrinking in whole
+granules (:meth:`jetflow.core.kv_cache.SlabLayer.fit`), since its forward attends over all of it.
+A finished row's positions are reused by the next prompt, so the run never holds more than
+``rows`` sequences' histories.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 from jetflow.core.allocation import RowCalibration, allocate, row_budget_cap
 from jetflow.core.contracts import (
-    CountedSession,
     DraftContext,
     Drafter,
     DraftSession,
-    RefinableSession,
     TreePolicy,
+    forwards_of,
+    is_refinable,
 )
+from jetflow.core.kv_cache import SLAB_GRANULE
 from jetflow.core.result import FinishReason, GenerationResult, StepRecord
 from jetflow.core.tree import DraftTree
 from torch import Tensor
@@ -71,7 +74,8 @@ class BatchRun:
         self.slots: list[_Sequence | None] = [None] * rows
         self.drafter = engine.drafter if engine.drafting else None  # None: each step verifies the root
         self.layers = self.drafter.feature_layers if self.drafter is not None else ()
-        self.cache = self.target.new_cache(capacity, rows=rows)
+        # a batch's slab starts at one granule and follows its rows (see the module docstring)
+        self.cache = self.target.new_cache(capacity if rows == 1 else SLAB_GRANULE, rows=rows)
 
     def run(self) -> list[GenerationResult]:
         while self.queue or any(self.slots):
@@ -165,7 +169,7 @@ class BatchRun:
         ]
         sessions = self.drafter.begin_rows([row for row in rows if row is not None], contexts)
         # ... and not where a refined session rebuilds them
-        reallocate = spread and not any(isinstance(session, RefinableSession) for session in sessions)
+        reallocate = spread and not any(is_refinable(session) for session in sessions)
         budget = cap if reallocate else share
         policies = [sequence.policy for _, sequence in live]
         trees, forwards, nested = self._build_rows(policies, sessions, contexts, budget)
@@ -215,13 +219,11 @@ class BatchRun:
         trees = type(policies[0]).build_rows(policies, sessions, roots, shape)
         nested = policies[0].nested
         for row, session in enumerate(sessions):
-            if isinstance(session, RefinableSession):
+            if is_refinable(session):
                 sessions[row] = session.refine(trees[row])
                 trees[row] = policies[row].build(sessions[row], roots[row], shape)
                 nested = False
-        forwards = max(
-            (session.forwards for session in sessions if isinstance(session, CountedSession)), default=0
-        )
+        forwards = max(map(forwards_of, sessions), default=0)
         return trees, forwards, nested
 
     def _truncate(

@@ -8,6 +8,13 @@ cached tokens it costs more than the forward itself. A slab holds
 sizes, sequence length, crop) works unchanged. The engine commits an accepted tree path by
 gathering its entries to the front of the tree's slot (:meth:`SlabLayer.keep`), and the
 compiled target (:mod:`jetflow.core.compiled`) writes the same storage from inside its graph.
+
+A batched (ragged) forward attends over the whole storage, not a view of its filled part: a
+view ``[:, :, :width]`` of a longer slab is not contiguous, and the bfloat16 matrix products
+copy such an operand first, every layer, every step (at 32 rows that copy cost more than the
+attention itself). So a batch's slab is sized to the longest row's history in whole granules
+(:meth:`SlabLayer.fit`): it grows as the rows do, shrinks when the longest row has left, and
+the mask hides the columns a row has not written.
 """
 
 from __future__ import annotations
@@ -17,6 +24,14 @@ from jetflow.attention.ragged_attention import LAYOUT_KEYWORD, RaggedRows
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+#: a batch's slab is sized in whole multiples of this many positions
+SLAB_GRANULE = 32
+
+
+def _granules(positions: int) -> int:
+    """``positions`` rounded up to whole :data:`SLAB_GRANULE` s."""
+    return -(-positions // SLAB_GRANULE) * SLAB_GRANULE
 
 
 class SlabLayer(DynamicLayer):
@@ -68,17 +83,19 @@ class SlabLayer(DynamicLayer):
         """Never needed: the storage exists from construction."""
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append ``[batch, kv_heads, n, head_dim]`` after the longest row; or, in a ragged forward
-        (``key_states [1, kv_heads, S, head_dim]``), each token at its own row's next position."""
+        """Append ``[batch, kv_heads, n, head_dim]`` after the longest row and return the filled
+        part; or, in a ragged forward (``key_states [1, kv_heads, S, head_dim]``), write each token
+        at its own row's next position and return the whole storage (``layout.width`` columns)."""
         layout = kwargs.get("kwargs", {}).get(LAYOUT_KEYWORD)
         self.last_layout = layout
         if layout is not None:
-            self.reserve(layout.width)
+            if layout.width != self.capacity:
+                raise ValueError(f"a ragged forward attends over {layout.width} columns of {self.capacity}")
             rows, positions = layout.token_rows, layout.token_positions
             self.key_slab[rows, :, positions] = key_states[0].transpose(0, 1)
             self.value_slab[rows, :, positions] = value_states[0].transpose(0, 1)
             self.set_lengths((layout.starts + layout.counts).tolist())
-            return self.keys, self.values
+            return self.key_slab, self.value_slab
         start = self.length
         stop = start + key_states.shape[-2]
         self.reserve(stop)
@@ -89,16 +106,29 @@ class SlabLayer(DynamicLayer):
 
     def reserve(self, positions: int) -> None:
         """Make room for ``positions`` in all; a full slab doubles (one copy, amortised)."""
-        if positions <= self.capacity:
-            return
-        length, lengths, capacity = self.length, self.lengths, max(positions, 2 * self.capacity)
-        grown = [
+        if positions > self.capacity:
+            self._resize(max(positions, 2 * self.capacity))
+
+    def fit(self, positions: int) -> None:
+        """Size the storage for a ragged forward that needs ``positions``: grown by at least an
+        eighth when outrun, shrunk when more than a quarter of it would sit unused (a ragged
+        forward attends over all of it), in whole granules either way."""
+        unused = self.capacity - positions
+        if unused < 0:
+            self._resize(_granules(max(positions, self.capacity + self.capacity // 8)))
+        elif unused > positions // 4 + SLAB_GRANULE:
+            self._resize(_granules(positions + positions // 8))
+
+    def _resize(self, capacity: int) -> None:
+        """New zeroed storage of ``capacity`` positions holding what every row holds (one copy)."""
+        length, lengths = self.length, self.lengths
+        resized = [
             slab.new_zeros((*slab.shape[:2], capacity, slab.shape[-1]))
             for slab in (self.key_slab, self.value_slab)
         ]
-        for new, old in zip(grown, (self.key_slab, self.value_slab), strict=True):
+        for new, old in zip(resized, (self.key_slab, self.value_slab), strict=True):
             new[:, :, :length] = old[:, :, :length]
-        self.key_slab, self.value_slab = grown
+        self.key_slab, self.value_slab = resized
         self.set_lengths(lengths)
 
     def crop(self, tokens_to_remove: int) -> None:

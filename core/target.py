@@ -282,7 +282,10 @@ class Target:
         enable_ragged_attention(self.model)
         starts = list(slabs[0].lengths)
         counts = [0 if tree is None else tree.size for tree in trees]
-        layout = RaggedRows.of(starts, counts, self.device)
+        nodes = max(counts)
+        for slab in slabs:
+            slab.fit(max(starts) + nodes)  # room for commit_rows' padded moves too
+        layout = RaggedRows.of(starts, counts, self.device, width=slabs[0].capacity)
         visible = layout.visibility([None if tree is None else tree.ancestor_mask for tree in trees])
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min)[:, None]
@@ -293,8 +296,6 @@ class Target:
                 if tree is not None
             ]
         )
-        for slab in slabs:
-            slab.reserve(max(starts) + layout.nodes)  # room for commit_rows' padded moves too
         out = self.model(
             input_ids=torch.cat([tree.tokens for tree in live]).to(self.device)[None],
             attention_mask=mask,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from jetflow.core.contracts import DepthwiseSession, DraftSession, TreePolicy, TreeShape
+from jetflow.core.contracts import DepthwiseSession, DraftSession, TreePolicy, TreeShape, is_depthwise
 from jetflow.core.tree import DraftTree
 from torch import Tensor
 
@@ -48,7 +48,7 @@ class LevelwisePolicy(TreePolicy):
     ) -> list[DraftTree]:
         """All rows' trees in one tensor program where every session proposes per depth; the rows'
         policies are copies of one, so the first says the frontier."""
-        depthwise = [session for session in sessions if isinstance(session, DepthwiseSession)]
+        depthwise = [session for session in sessions if is_depthwise(session)]
         policy = policies[0]
         if len(depthwise) < len(sessions) or not isinstance(policy, LevelwisePolicy):
             return super().build_rows(policies, sessions, roots, shape)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jetflow.core.kv_cache import SlabLayer, is_slab
+from jetflow.attention.ragged_attention import LAYOUT_KEYWORD, RaggedRows
+from jetflow.core.kv_cache import SLAB_GRANULE, SlabLayer, is_slab
 from jetflow.core.target import Target
 
 from tests.core.test_tree import random_trees
@@ -63,3 +64,36 @@ def test_keep_gathers_ascending_positions_and_drops_the_rest() -> None:
     assert layer.length == 4
     with pytest.raises(ValueError, match="negative"):
         layer.crop(1)
+
+
+def test_a_batch_slab_follows_its_longest_row_in_granules() -> None:
+    """Grown by at least an eighth when outrun, shrunk once over a quarter would sit unused,
+    in whole granules; every row's history survives each resize."""
+    history = torch.arange(2 * 30, dtype=torch.float32).reshape(2, 1, 30, 1)
+    layer = SlabLayer(torch.zeros(2, 1, SLAB_GRANULE, 1), torch.zeros(2, 1, SLAB_GRANULE, 1))
+    layer.key_slab[:, :, :30] = history
+    layer.set_lengths([20, 30])
+    sizes = []
+    for positions in (30, 40, 7 * SLAB_GRANULE, 90, 100):
+        layer.fit(positions)
+        sizes.append(layer.capacity)
+        torch.testing.assert_close(layer.key_slab[:, :, :30], history)
+        assert layer.lengths == [20, 30]
+    g = SLAB_GRANULE
+    assert sizes == [g, 2 * g, 7 * g, 4 * g, 4 * g]  # 90 needs 3.5 granules: 4 after the shrink
+
+
+def test_a_ragged_write_attends_over_the_whole_contiguous_slab() -> None:
+    """A ragged forward gets the storage itself (a strided view would be copied by every bfloat16
+    matrix product), written at each row's own next positions."""
+    layer = SlabLayer(torch.zeros(2, 1, 8, 1), torch.zeros(2, 1, 8, 1))
+    layer.set_lengths([3, 5])
+    layout = RaggedRows.of([3, 5], [2, 1], torch.device("cpu"), width=layer.capacity)
+    new = torch.tensor([1.0, 2.0, 3.0]).reshape(1, 1, 3, 1)
+    keys, values = layer.update(new, -new, kwargs={LAYOUT_KEYWORD: layout})
+    assert keys is layer.key_slab and keys.is_contiguous() and values is layer.value_slab
+    assert layer.lengths == [5, 6]
+    assert keys[0, 0, 3:5, 0].tolist() == [1.0, 2.0] and keys[1, 0, 5, 0].item() == 3.0
+    short = RaggedRows.of([3, 5], [2, 1], torch.device("cpu"))
+    with pytest.raises(ValueError, match="columns"):
+        layer.update(new, -new, kwargs={LAYOUT_KEYWORD: short})
