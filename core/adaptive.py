@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jetflow.core.allocation import Allocation
 from jetflow.core.calibration_record import Calibration
 from jetflow.core.cost_model import CHOICE_TOLERANCE, batch_step_cost, choose_budget, extrapolate_latency
 from jetflow.core.tree import DraftTree
@@ -54,7 +55,7 @@ from scipy.optimize import isotonic_regression
 
 #: the calibrated tau counts as this many observed steps
 PRIOR_WEIGHT = 2.0
-#: per-step forgetting factor of the observed means (an effective memory of ~100 steps)
+#: per-step forgetting factor of the observed means (an effective memory of ~100 steps, of all rows)
 FORGETTING = 0.99
 #: every this many steps, a larger budget may be probed ...
 PROBE_EVERY = 4
@@ -203,11 +204,35 @@ class AdaptiveBudget:
         """Learn from one verified step that ran at ``budget`` and accepted ``path`` (root first)."""
         self.observe_rows([(tree, path, budget)], nested)
 
-    def observe_rows(self, rows: Sequence[tuple[DraftTree, torch.Tensor, int]], nested: bool) -> None:
+    def observe_rows(
+        self,
+        rows: Sequence[tuple[DraftTree, torch.Tensor, int]],
+        nested: bool,
+        allocation: Allocation | None = None,
+    ) -> None:
         """Learn from one batched step: each row's tree, accepted path and the budget it ran at;
-        the choice is made again once, for the next step."""
-        for tree, path, budget in rows:
-            self._record(tree, path, budget, nested)
+        the choice is made again once, for the next step.
+
+        Old observations fade once per step, not once per row: the memory is ~100 steps at any
+        batch size, each step adding a row's worth per sequence. Fading per row would leave a
+        batch of 16 a memory of six steps, whose noise flips the choice between budgets that
+        are within the tolerance of each other (and every flip restarts the probes).
+
+        ``allocation``: the step spread ``allocation.share`` nodes a row across its rows
+        best-first (:func:`~jetflow.core.allocation.allocate`), so a row's own budget says how
+        confident its drafts were this step, and counting its tree as a step at that budget would
+        over-rate every budget above the share. A smaller share would have kept a prefix of the
+        same ranking, so what every row accepts at each share up to the one run is known
+        exactly, and that is what is counted.
+        """
+        self._emitted *= self.forgetting
+        self._emitted_sq *= self.forgetting
+        self._steps *= self.forgetting
+        if allocation is not None and nested:
+            self._record_allocated(rows, allocation)
+        else:
+            for tree, path, budget in rows:
+                self._record(tree, path, budget, nested)
         choice, self.choice = self.choice, self._choose()
         if self.choice != choice:
             self._interval = self.probe_every
@@ -216,9 +241,6 @@ class AdaptiveBudget:
 
     def _record(self, tree: DraftTree, path: torch.Tensor, budget: int, nested: bool) -> None:
         """Add one row's step to the discounted counts."""
-        self._emitted *= self.forgetting
-        self._emitted_sq *= self.forgetting
-        self._steps *= self.forgetting
         self._nested_so_far &= nested
         emitted: np.ndarray | float  # per candidate budget seen, or one count for the budget run
         if nested:
@@ -228,8 +250,23 @@ class AdaptiveBudget:
         else:
             seen = self.budgets == budget
             emitted = float(len(path))  # the root plus the accepted drafted tokens
+        self._add(seen, emitted)
+
+    def _record_allocated(
+        self, rows: Sequence[tuple[DraftTree, torch.Tensor, int]], allocation: Allocation
+    ) -> None:
+        """Every row's tokens at each candidate share up to the step's, from the batch's ranking."""
+        seen = self.budgets <= allocation.share
+        totals = self.budgets[seen] * len(rows)  # the nodes a step of that share keeps
+        ranks = allocation.ranks([tree for tree, _, _ in rows])  # the kept nodes: the ranking's prefix
+        for (_, path, _), row_ranks in zip(rows, ranks, strict=True):
+            path_ranks = row_ranks[path[1:] - 1].cpu().numpy()
+            self._add(seen, 1 + np.cumprod(path_ranks[None, :] <= totals[:, None], axis=1).sum(axis=1))
+
+    def _add(self, seen: np.ndarray, emitted: np.ndarray | float) -> None:
+        """One observation of ``emitted`` tokens at each candidate budget in ``seen``."""
         self._emitted[seen] += emitted
-        self._emitted_sq[seen] += emitted**2
+        self._emitted_sq[seen] += np.square(emitted)
         self._steps[seen] += 1.0
 
     def _use_rows(self, rows: int) -> None:

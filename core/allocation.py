@@ -45,26 +45,38 @@ class RowCalibration:
         self.predicted = FORGETTING * self.predicted + float(tree.scores[1:].exp().sum())
 
 
-def allocate(trees: Sequence[DraftTree], total: int, ratios: Sequence[float]) -> list[DraftTree]:
-    """Keep the ``total`` drafted nodes of best expected acceptance across ``trees``.
+@dataclass(frozen=True)
+class Allocation:
+    """How one step spread its nodes across its rows: ``share`` per row on average, the drafted
+    nodes ranked best-first across all rows by ``score + offsets[row]`` (the row's log ratio)."""
 
-    Nodes are ranked by ``score + log(ratio of its row)``; a parent ranks before an equally
-    scored child (trees are topologically ordered and the sort is stable), so every kept node's
-    ancestors are kept.
-    """
-    drafted = [tree.size - 1 for tree in trees]
-    if sum(drafted) <= total:
+    share: int
+    offsets: list[float]
+
+    @classmethod
+    def of(cls, share: int, ratios: Sequence[float]) -> Allocation:
+        return cls(share, [math.log(max(ratio, 1e-6)) for ratio in ratios])
+
+    def ranks(self, trees: Sequence[DraftTree]) -> list[torch.Tensor]:
+        """Each row's drafted nodes' 1-based ranks in the batch's order (a stable sort, so a
+        parent ranks before an equally scored child and every kept node's ancestors are kept)."""
+        values = torch.cat(
+            [tree.scores[1:] + offset for tree, offset in zip(trees, self.offsets, strict=True)]
+        )
+        order = torch.sort(values, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(1, order.shape[0] + 1, device=order.device)
+        return list(rank.split([tree.size - 1 for tree in trees]))
+
+
+def allocate(trees: Sequence[DraftTree], allocation: Allocation) -> list[DraftTree]:
+    """Keep the ``share x rows`` drafted nodes of best expected acceptance across ``trees``."""
+    total = allocation.share * len(trees)
+    if sum(tree.size - 1 for tree in trees) <= total:
         return list(trees)
-    device = trees[0].device
-    values = torch.cat(
-        [tree.scores[1:] + math.log(max(ratio, 1e-6)) for tree, ratio in zip(trees, ratios, strict=True)]
-    )
-    order = torch.sort(values, descending=True, stable=True).indices
-    chosen = torch.zeros(values.shape[0], dtype=torch.bool, device=device)
-    chosen[order[:total]] = True
     kept: list[DraftTree] = []
-    for tree, part in zip(trees, chosen.split(drafted), strict=True):
-        keep = torch.cat([torch.ones(1, dtype=torch.bool, device=device), part])
+    for tree, ranks in zip(trees, allocation.ranks(trees), strict=True):
+        keep = torch.cat([torch.ones(1, dtype=torch.bool, device=tree.device), ranks <= total])
         kept.append(tree if bool(keep.all()) else tree.select(keep))
     return kept
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-from jetflow.core.allocation import RowCalibration, allocate, row_budget_cap
+from jetflow.core.allocation import Allocation, RowCalibration, allocate, row_budget_cap
 from jetflow.core.contracts import (
     DraftContext,
     Drafter,
@@ -110,7 +110,7 @@ class BatchRun:
         share = engine.adaptive.next_budget(len(live)) if engine.adaptive else engine.largest_budget
         t0 = time.perf_counter()
         starts = self.target.lengths(self.cache)
-        trees, forwards, nested = self._draft(live, starts, share)
+        trees, forwards, nested, allocation = self._draft(live, starts, share)
         t1 = time.perf_counter()
         by_slot: list[DraftTree | None] = [None] * len(self.slots)
         for (slot, _), tree in zip(live, trees, strict=True):
@@ -135,7 +135,7 @@ class BatchRun:
         ran = [share if len(live) == 1 else tree.size - 1 for tree in trees]  # a row of a batch: its nodes
         if engine.adaptive:
             accepted = [decision.path for decision in decisions]
-            engine.adaptive.observe_rows(list(zip(trees, accepted, ran, strict=True)), nested)
+            engine.adaptive.observe_rows(list(zip(trees, accepted, ran, strict=True)), nested, allocation)
         for (slot, sequence), tree, decision, nodes in zip(live, trees, decisions, ran, strict=True):
             sequence.calibration.observe(tree, decision.accepted)
             sequence.steps.append(
@@ -152,11 +152,12 @@ class BatchRun:
 
     def _draft(
         self, live: list[tuple[int, _Sequence]], starts: list[int], share: int
-    ) -> tuple[list[DraftTree], int, bool]:
-        """Every live row's tree, the drafter forwards of the step, and whether all are nested."""
+    ) -> tuple[list[DraftTree], int, bool, Allocation | None]:
+        """Every live row's tree, the drafter forwards of the step, whether all are nested, and how
+        the step's nodes were spread across the rows (None: each row drafted its share)."""
         engine = self.engine
         if self.drafter is None or share <= 0:
-            return [DraftTree.root(sequence.tokens[-1]) for _, sequence in live], 0, True
+            return [DraftTree.root(sequence.tokens[-1]) for _, sequence in live], 0, True, None
         rows = [sequence.drafter for _, sequence in live]
         # Only nested trees can be drafted larger and cut back to a share across the rows.
         spread = len(live) > 1 and engine.config.tree.split == "best-first" and engine.policy.nested
@@ -173,9 +174,10 @@ class BatchRun:
         budget = cap if reallocate else share
         policies = [sequence.policy for _, sequence in live]
         trees, forwards, nested = self._build_rows(policies, sessions, contexts, budget)
-        if reallocate:
-            trees = allocate(trees, share * len(live), [sequence.calibration.ratio for _, sequence in live])
-        return trees, forwards, nested
+        if not reallocate:
+            return trees, forwards, nested, None
+        allocation = Allocation.of(share, [sequence.calibration.ratio for _, sequence in live])
+        return allocate(trees, allocation), forwards, nested, allocation
 
     def _finish(self, slot: int, sequence: _Sequence, finish: FinishReason) -> None:
         self.results[sequence.index] = GenerationResult(

@@ -7,6 +7,7 @@ import pytest
 import torch
 from jetflow.core import calibration as cal
 from jetflow.core.adaptive import AdaptiveBudget, accepted_within
+from jetflow.core.allocation import Allocation
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.contracts import TreeShape
 from jetflow.core.engine import Engine
@@ -184,18 +185,40 @@ def test_a_policy_that_is_not_nested_teaches_only_the_budget_it_ran() -> None:
     assert np.array_equal(before[:3], after[:3]) and after[3] > before[3]
 
 
-def test_a_batched_step_is_learned_row_by_row_and_chosen_from_once() -> None:
-    """`observe_rows` counts every row as `observe` would, and makes the choice once per step."""
+def test_a_batched_step_counts_every_row_fades_once_and_chooses_once() -> None:
+    """`observe_rows` counts each row of a step as `observe` counts a step of its own, fades what
+    came before once per step (the memory is in steps at any batch size), and chooses once."""
     rows = [(_chain([-0.1, -0.2]), torch.arange(3), 2), (_chain([-0.1]), torch.arange(1), 1)] * 3
-    one_by_one, batched = _controller(), _controller()
+    one_by_one, batched = _controller(forgetting=1.0), _controller(forgetting=1.0)
     for tree, path, budget in rows:
         one_by_one.observe(tree, path, budget, nested=True)
     batched.observe_rows(rows, nested=True)
     assert np.allclose(one_by_one.tau(), batched.tau()) and one_by_one.choice == batched.choice
+
+    fading = _controller(forgetting=0.5)
+    fading.observe_rows(rows, nested=True)
+    fading.observe_rows(rows[:1], nested=True)  # a step of one row: the six before count half
+    assert np.allclose(fading._steps, [1 + 6 / 2, 1 + 6 / 2, 1 + 3 / 2, 0])
     calls = []
-    batched._choose = lambda: calls.append(1) or 0  # type: ignore[method-assign]
-    batched.observe_rows(rows, nested=True)
+    fading._choose = lambda: calls.append(1) or 0  # type: ignore[method-assign]
+    fading.observe_rows(rows, nested=True)
     assert len(calls) == 1
+
+
+def test_an_allocated_step_is_learned_at_the_shares_it_can_answer_for() -> None:
+    """Rows sharing one budget best-first: a row's larger tree (it got the nodes because its drafts
+    were confident) is no step at that budget; every row counts at each share up to the step's,
+    read off the batch's ranking, and no larger budget learns anything."""
+    confident = _chain([-0.1, -0.2])  # both nodes accepted: the batch's ranks 1 and 2
+    doubtful = DraftTree.root(torch.tensor(7))  # kept none of its nodes
+    rows = [(confident, torch.arange(3), 2), (doubtful, torch.arange(1), 0)]
+    controller = _controller(forgetting=1.0)
+    controller.observe_rows(rows, nested=True, allocation=Allocation(1, [0.0, 0.0]))
+    assert controller._steps.tolist() == [2, 2, 0, 0]  # shares 0 and 1 of budgets 0, 1, 2, 4
+    assert controller._emitted.tolist() == [2, 1 + 3, 0, 0]  # share 1 keeps 2 nodes: both of the chain
+    unallocated = _controller(forgetting=1.0)
+    unallocated.observe_rows(rows, nested=True)
+    assert unallocated._steps.tolist() == [2, 1, 1, 0]  # the confident row alone speaks for 1 and 2
 
 
 def test_invalid_candidates_are_refused() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jetflow.core.allocation import allocate
+from jetflow.core.allocation import Allocation, allocate
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
@@ -122,12 +122,15 @@ def _tree(scores: list[float], parents: list[int]) -> DraftTree:
 def test_allocation_spends_the_total_where_acceptance_is_expected() -> None:
     confident = _tree([0.0, -0.1, -0.2, -0.3, -5.0], [-1, 0, 1, 2, 0])
     doubtful = _tree([0.0, -2.0, -2.5, -3.0, -3.5], [-1, 0, 1, 0, 3])
-    kept = allocate([confident, doubtful], 4, [1.0, 1.0])
+    kept = allocate([confident, doubtful], Allocation.of(2, [1.0, 1.0]))
     assert [tree.size - 1 for tree in kept] == [3, 1]
     assert kept[0].parents.tolist() == [-1, 0, 1, 2]  # every kept node's ancestors kept
     # a row whose steps accepted far less than its drafts promised loses its nodes
-    assert [tree.size - 1 for tree in allocate([confident, doubtful], 4, [0.01, 1.0])] == [0, 4]
-    assert allocate([confident, doubtful], 8, [1.0, 1.0]) == [confident, doubtful]
+    assert [tree.size - 1 for tree in allocate([confident, doubtful], Allocation.of(2, [0.01, 1.0]))] == [
+        0,
+        4,
+    ]
+    assert allocate([confident, doubtful], Allocation.of(4, [1.0, 1.0])) == [confident, doubtful]
 
 
 def test_a_refined_batch_keeps_each_row_within_its_share(tiny_llama: Target, tmp_path) -> None:
