@@ -334,6 +334,25 @@ def test_first_use_leaves_fixed_budgets_and_plain_decoding_alone(tiny_llama: Tar
     assert lines == []
 
 
+def test_batch_steps_are_priced_as_the_default_split_drafts_them(measured, monkeypatch) -> None:
+    """A share's price includes the best-first allocation's drafting (rows drafted past their
+    share, then cut back): the engine's default, and never cheaper than an equal split."""
+    target, _ = measured
+    splits: list[str] = []
+    build = Engine._assemble
+
+    def recording(self, config, *args):
+        splits.append(config.tree.split)
+        build(self, config, *args)
+
+    monkeypatch.setattr(Engine, "_assemble", recording)
+    config = build_config(
+        GenerateConfig, {"drafter": "ngram", "chat_template": False, "tree": {"split": "equal"}}
+    )
+    cal.measure_batch_point(config, target, [0, 2], 2, PROMPTS, rounds=1, max_new_tokens=4)
+    assert splits == ["best-first", "best-first"]
+
+
 def test_batch_step_costs_are_measured_per_budget_and_price_a_batch(measured) -> None:
     """``batch_sizes`` measures a step of that many rows at every budget; the adaptive budget
     then prices steps of those rows from them (and past them on the slope of the last two)."""
