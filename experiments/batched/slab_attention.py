@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from jetflow.attention.ragged_attention import LAYOUT_KEYWORD, RaggedRows
@@ -69,7 +69,7 @@ def main() -> None:
         reference = None
         for round_ in range(args.rounds):
             for before in (True, False) if round_ % 2 == 0 else (False, True):
-                with strided_view() if before else _nothing():
+                with strided_view() if before else nullcontext():
                     start = time.perf_counter()
                     results = engine.generate_batch(texts)
                     wall = time.perf_counter() - start
@@ -85,11 +85,6 @@ def main() -> None:
                     f"rows differing from the first run {differing}",
                     flush=True,
                 )
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 if __name__ == "__main__":
