@@ -18,8 +18,13 @@ from dataclasses import dataclass
 import torch
 from jetflow.core.tree import DraftTree
 
-#: a row may take up to this many times its equal share of the batch's nodes
+#: a row may take up to this many times its equal share of the batch's nodes ...
 MAX_ROW_SHARE = 3
+#: ... and reach at most this many levels below its share's deepest tree (a chain of ``share``
+#: nodes): the extra nodes widen a confident row's tree. Deeper drafts rarely survived the cut
+#: back to the batch's total, and every drafted level costs every row a head slot and a level of
+#: tree building.
+EXTRA_DEPTH = 1
 #: the calibration's prior: one step predicting as much as it accepted
 PRIOR_STEPS = 2.0
 #: per-step forgetting of a row's calibration (an effective memory of ~20 steps)
@@ -85,3 +90,8 @@ def row_budget_cap(share: int, rows: int) -> int:
     """The budget a row's tree is drafted at before the allocation: up to ``MAX_ROW_SHARE`` times
     its equal ``share`` of the batch's nodes, never past their total."""
     return share * min(MAX_ROW_SHARE, rows)
+
+
+def row_depth_cap(share: int) -> int:
+    """The deepest level a row drafted past its ``share`` may reach (see :data:`EXTRA_DEPTH`)."""
+    return share + EXTRA_DEPTH

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-from jetflow.core.allocation import Allocation, RowCalibration, allocate, row_budget_cap
+from jetflow.core.allocation import Allocation, RowCalibration, allocate, row_budget_cap, row_depth_cap
 from jetflow.core.contracts import (
     DraftContext,
     Drafter,
@@ -162,7 +162,7 @@ class BatchRun:
         # Only nested trees can be drafted larger and cut back to a share across the rows.
         spread = len(live) > 1 and engine.config.tree.split == "best-first" and engine.policy.nested
         cap = row_budget_cap(share, len(live)) if spread else share
-        depth = min(cap, engine.shape.max_depth)  # no tree of `cap` nodes is deeper
+        depth = min(row_depth_cap(share) if spread else share, cap, engine.shape.max_depth)
         contexts = [
             sequence.drafter.context(sequence.tokens, starts[slot], depth)
             for slot, sequence in live

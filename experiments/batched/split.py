@@ -3,6 +3,8 @@
 One process, one thread, the same prompts (first turns), each batch size's runs alternating
 ``ar``, equal, best-first over ``--rounds`` rounds; prints one JSON line per batch size:
     .venv/bin/python experiments/batched/split.py --dataset mtbench --limit 16 --budget 2
+``--max-row-shares 2,3`` runs one best-first arm per cap on a row's share
+(:data:`jetflow.core.allocation.MAX_ROW_SHARE`; without it, the default cap).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import time
 
 import torch
+from jetflow.core import allocation
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.precision import resolve_dtype
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="4,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-row-shares", default=str(allocation.MAX_ROW_SHARE))
     args = parser.parse_args()
     torch.set_num_threads(1)
     target = Target.load("default", resolve_dtype("auto"))
@@ -37,8 +41,12 @@ def main() -> None:
         return build_config(GenerateConfig, {**common, "drafter": drafter, "tree": tree})
 
     engines = {"ar": Engine(config("none", {}), target)}
-    for split in ("equal", "best-first"):
-        engines[split] = Engine(config("jetflow", {"budget": args.budget, "split": split}), target)
+    engines["equal"] = Engine(config("jetflow", {"budget": args.budget, "split": "equal"}), target)
+    caps = {"ar": allocation.MAX_ROW_SHARE, "equal": allocation.MAX_ROW_SHARE}
+    for cap in map(int, args.max_row_shares.split(",")):
+        name = "best-first" if cap == allocation.MAX_ROW_SHARE else f"best-first-x{cap}"
+        engines[name] = Engine(config("jetflow", {"budget": args.budget, "split": "best-first"}), target)
+        caps[name] = cap
     for engine in engines.values():  # warm-up, untimed
         engine.generate_batch(prompts[:2], max_new_tokens=4, batch_size=2)
     for rows in map(int, args.batch_sizes.split(",")):
@@ -48,6 +56,7 @@ def main() -> None:
         answers: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
             for name, engine in engines.items():
+                allocation.MAX_ROW_SHARE = caps[name]
                 started = time.perf_counter()
                 results = engine.generate_batch(prompts, batch_size=rows)
                 seconds[name] += time.perf_counter() - started

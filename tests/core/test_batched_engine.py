@@ -12,6 +12,7 @@ from jetflow.core.engine import Engine
 from jetflow.core.errors import ConfigError
 from jetflow.core.target import Target
 from jetflow.core.tree import DraftTree
+from jetflow.drafters.jetflow.plugin import JetFlowDrafter
 
 from tests.drafters.tiny_heads import jetflow_registered, save_head, tiny_head
 
@@ -131,6 +132,32 @@ def test_allocation_spends_the_total_where_acceptance_is_expected() -> None:
         4,
     ]
     assert allocate([confident, doubtful], Allocation.of(4, [1.0, 1.0])) == [confident, doubtful]
+
+
+def test_rows_drafted_past_their_share_reach_one_level_deeper(
+    tiny_llama: Target, head_folder, monkeypatch
+) -> None:
+    """Best-first drafts a batch's rows at up to three times their share, but asks the head for
+    only one depth past the share's deepest tree (a chain of ``share`` nodes)."""
+    depths: list[tuple[int, int | None]] = []
+    begin_rows = JetFlowDrafter.begin_rows
+
+    def spy(self, rows, contexts):
+        depths.extend((len(contexts), context.depth) for context in contexts)
+        return begin_rows(self, rows, contexts)
+
+    monkeypatch.setattr(JetFlowDrafter, "begin_rows", spy)
+    with jetflow_registered():
+        engine = _engine(
+            tiny_llama,
+            drafter="jetflow",
+            drafter_params={"checkpoint": str(head_folder)},
+            tree={"budget": 2, "adapt": False, "width": 3},
+            max_new_tokens=8,
+        )
+        engine.generate_batch(_prompts(3, [4, 6, 5]), batch_size=3)
+    assert {depth for rows, depth in depths if rows > 1} == {3}
+    assert {depth for rows, depth in depths if rows == 1} <= {2}
 
 
 def test_a_refined_batch_keeps_each_row_within_its_share(tiny_llama: Target, tmp_path) -> None:
