@@ -162,7 +162,9 @@ class BatchRun:
         # Only nested trees can be drafted larger and cut back to a share across the rows.
         spread = len(live) > 1 and engine.config.tree.split == "best-first" and engine.policy.nested
         cap = row_budget_cap(share, len(live)) if spread else share
-        depth = min(row_depth_cap(share) if spread else share, cap, engine.shape.max_depth)
+        # a row drafted past its share widens its tree: one level deeper at most (`cap` is the
+        # share itself when not spread)
+        depth = min(row_depth_cap(share), cap, engine.shape.max_depth)
         contexts = [
             sequence.drafter.context(sequence.tokens, starts[slot], depth)
             for slot, sequence in live
