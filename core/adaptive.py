@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from jetflow.core.allocation import Allocation
+from jetflow.core.allocation import Allocation, best_first_ranks
 from jetflow.core.calibration_record import Calibration
 from jetflow.core.cost_model import CHOICE_TOLERANCE, batch_step_cost, choose_budget, extrapolate_latency
 from jetflow.core.tree import DraftTree
@@ -260,8 +260,7 @@ class AdaptiveBudget:
         totals = self.budgets[seen] * len(rows)  # the nodes a step of that share keeps
         ranks = allocation.ranks([tree for tree, _, _ in rows])  # the kept nodes: the ranking's prefix
         for (_, path, _), row_ranks in zip(rows, ranks, strict=True):
-            path_ranks = row_ranks[path[1:] - 1].cpu().numpy()
-            self._add(seen, 1 + np.cumprod(path_ranks[None, :] <= totals[:, None], axis=1).sum(axis=1))
+            self._add(seen, 1 + accepted_in_ranks(row_ranks, path, totals))
 
     def _add(self, seen: np.ndarray, emitted: np.ndarray | float) -> None:
         """One observation of ``emitted`` tokens at each candidate budget in ``seen``."""
@@ -291,9 +290,12 @@ def accepted_within(tree: DraftTree, path: torch.Tensor, budgets: np.ndarray) ->
     score, so a parent ranks before an equally scored child): the budget-``b`` tree of a
     nested policy is exactly the nodes of rank ``<= b``.
     """
-    order = torch.sort(tree.scores[1:], descending=True, stable=True).indices
-    rank = torch.zeros(tree.size, dtype=torch.long, device=tree.device)
-    rank[order + 1] = torch.arange(1, tree.size, device=tree.device)
-    path_ranks = rank[path[1:]].cpu().numpy()  # one host read per step
-    inside = path_ranks[None, :] <= budgets[:, None]  # [candidates, accepted]
+    return accepted_in_ranks(best_first_ranks([tree.scores[1:]])[0], path, budgets)
+
+
+def accepted_in_ranks(ranks: torch.Tensor, path: torch.Tensor, limits: np.ndarray) -> np.ndarray:
+    """Drafted tokens of the accepted ``path`` before its first node ranked past each limit:
+    ``ranks [drafted]`` of the tree's drafted nodes (node ``i`` at ``i - 1``) -> ``[limits]``."""
+    path_ranks = ranks[path[1:] - 1].cpu().numpy()  # one host read per row and step
+    inside = path_ranks[None, :] <= limits[:, None]  # [limits, accepted]
     return np.cumprod(inside, axis=1).sum(axis=1).astype(float)

@@ -63,15 +63,23 @@ class Allocation:
         return cls(share, [math.log(max(ratio, 1e-6)) for ratio in ratios])
 
     def ranks(self, trees: Sequence[DraftTree]) -> list[torch.Tensor]:
-        """Each row's drafted nodes' 1-based ranks in the batch's order (a stable sort, so a
-        parent ranks before an equally scored child and every kept node's ancestors are kept)."""
-        values = torch.cat(
+        """Each row's drafted nodes' 1-based ranks in the batch's order (see :func:`best_first_ranks`)."""
+        return best_first_ranks(
             [tree.scores[1:] + offset for tree, offset in zip(trees, self.offsets, strict=True)]
         )
-        order = torch.sort(values, descending=True, stable=True).indices
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(1, order.shape[0] + 1, device=order.device)
-        return list(rank.split([tree.size - 1 for tree in trees]))
+
+
+def best_first_ranks(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """1-based ranks of every value across all of ``values`` (highest first), split as given.
+
+    A stable sort: a parent (earlier in its tree) ranks before an equally scored child, so the
+    nodes ranked at most ``b`` always include their ancestors: a nested policy's tree of ``b``.
+    """
+    joined = torch.cat(list(values))
+    order = torch.sort(joined, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(1, order.shape[0] + 1, device=order.device)
+    return list(rank.split([part.shape[0] for part in values]))
 
 
 def allocate(trees: Sequence[DraftTree], allocation: Allocation) -> list[DraftTree]:

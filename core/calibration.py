@@ -412,8 +412,8 @@ def measure_batch_point(
 ) -> BatchPoint:
     """The step costs of ``rows`` sequences at each of ``budgets``: the engine itself on ``rows``
     of the calibration prompts (cycled), its nodes spread best-first across the rows as the
-    engine spreads them by default (for a nested policy, every row drafted at up to three times
-    its share, then cut back). That drafting is part of what a share costs, and an equal split
+    engine spreads them by default (for a nested policy, every row drafted past its share, then
+    cut back: :mod:`jetflow.core.allocation`). That drafting is part of what a share costs, and an equal split
     costs no more, so for one the price is an upper bound: a calibration errs toward ``ar``.
 
     The budgets are measured in interleaved rounds (alternating order), as the verify latencies

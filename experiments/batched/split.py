@@ -42,9 +42,9 @@ def main() -> None:
 
     engines = {"ar": Engine(config("none", {}), target)}
     engines["equal"] = Engine(config("jetflow", {"budget": args.budget, "split": "equal"}), target)
-    caps = {"ar": allocation.MAX_ROW_SHARE, "equal": allocation.MAX_ROW_SHARE}
+    default_cap, caps = allocation.MAX_ROW_SHARE, {}
     for cap in map(int, args.max_row_shares.split(",")):
-        name = "best-first" if cap == allocation.MAX_ROW_SHARE else f"best-first-x{cap}"
+        name = "best-first" if cap == default_cap else f"best-first-x{cap}"
         engines[name] = Engine(config("jetflow", {"budget": args.budget, "split": "best-first"}), target)
         caps[name] = cap
     for engine in engines.values():  # warm-up, untimed
@@ -56,7 +56,7 @@ def main() -> None:
         answers: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                allocation.MAX_ROW_SHARE = caps[name]
+                allocation.MAX_ROW_SHARE = caps.get(name, default_cap)
                 started = time.perf_counter()
                 results = engine.generate_batch(prompts, batch_size=rows)
                 seconds[name] += time.perf_counter() - started
