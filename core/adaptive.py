@@ -22,17 +22,19 @@ costs stay calibrated and tau is re-estimated online:
   at their calibrated tau, lower than the choice's own, and no probe ever finds them.
 * **Exploration.** Every ``probe_every``-th step may run a larger budget than the choice:
   the one with the best optimistic speed (tau plus one standard deviation of a step's emitted
-  tokens over the square root of its observation count), if that beats the choice's estimate.
-  The spread is measured online (a budget seen too little borrows the widest spread of the
-  smaller ones, never less than ``optimism``): accepted lengths spread with tau, so a fixed
-  bonus that suits tau 1.5 is too timid to ever try a larger budget at tau 3.5. So a budget the calibration
-  under-rated is found, even past a neighbour that is no better; once a budget has been seen
-  often enough to be ruled out it is no longer probed. With a nested policy a probe also
-  refreshes every smaller budget. At budget 0 the steps observe nothing and each probe costs a
-  tree's verify, so there a probe that leaves the choice at 0 doubles the interval to the next
-  (up to ``max_probe_every``) and a change of choice resets it: on a machine where no tree pays,
-  probing thins out and the run costs what plain decoding costs. At a drafting choice every step
-  is observed and probes keep their pace.
+  tokens over the square root of its observation count), if that beats the choice's estimate by
+  more than the choice's tolerance (less could not move the choice; on a large batch, where
+  every budget is within a few percent of plain decoding and a probe step costs about two plain
+  ones, such probes would be all that drafting costs). The spread is measured online (a budget
+  seen too little borrows the widest spread of the smaller ones, never less than ``optimism``):
+  accepted lengths spread with tau, so a fixed bonus that suits tau 1.5 is too timid to ever try
+  a larger budget at tau 3.5. So a budget the calibration under-rated is found, even past a
+  neighbour that is no better; once a budget has been seen often enough to be ruled out it is
+  no longer probed. With a nested policy a probe also refreshes every smaller budget. At budget
+  0 the steps observe nothing and each probe costs a tree's verify, so there a probe that leaves
+  the choice at 0 doubles the interval to the next (up to ``max_probe_every``) and a change of
+  choice resets it: on a machine where no tree pays, probing thins out and the run costs what
+  plain decoding costs. At a drafting choice every step is observed and probes keep their pace.
 * **Choice**: the calibration's own rule (:func:`choose_budget`): the smallest budget whose
   expected tokens per second is within the tolerance of the best.
 
@@ -195,7 +197,10 @@ class AdaptiveBudget:
         optimistic[self.budgets <= self.choice] = -np.inf
         probe = int(np.argmax(optimistic))
         current = self.speeds()[int(np.searchsorted(self.budgets, self.choice))]
-        if optimistic[probe] <= current:
+        # the choice is the smallest budget within the tolerance of the best: a budget above it
+        # takes over only if it is faster by more than that, so a probe that could not do so
+        # even at its optimistic speed is a larger step that teaches nothing the choice uses
+        if optimistic[probe] * (1.0 - self.tolerance) <= current:
             return self.choice
         self._probed = True
         return int(self.budgets[probe])

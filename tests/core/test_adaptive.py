@@ -119,6 +119,22 @@ def test_probes_that_change_nothing_come_ever_further_apart() -> None:
     assert gaps[:4] == [4, 8, 16, 32]
 
 
+def test_a_probe_runs_only_where_it_could_move_the_choice() -> None:
+    """Budget 2 is expected 3% faster than 0, inside the choice's 5% tolerance, so 0 is chosen.
+    A probe of 2 could move the choice only if 2 might be faster by more than the tolerance:
+    with a wide optimism it might, and is probed; with a narrow one it could not, and is not
+    (on a large batch such a probe is a step of twice the cost that teaches nothing)."""
+    used = {}
+    for optimism in (0.5, 0.02):
+        controller = AdaptiveBudget(
+            budgets=[0, 2], cost_s=[0.1, 0.1], prior_tau=[1.0, 1.03], probe_every=4, optimism=optimism
+        )
+        assert controller.choice == 0
+        used[optimism] = [controller.next_budget() for _ in range(8)]
+    assert used[0.5] == [0, 0, 0, 2, 0, 0, 0, 2]
+    assert used[0.02] == [0] * 8
+
+
 def _run_chains(controller: AdaptiveBudget, steps: int, acceptance: float) -> list[int]:
     """Drive ``controller`` over chain trees whose every drafted depth is accepted with
     probability ``acceptance`` (seeded); the budgets it ran, step by step."""
