@@ -45,13 +45,20 @@ def default_device() -> torch.device:
 
 
 def has_native_bf16(device: torch.device) -> bool:
-    """True when bf16 matrix multiplication runs on dedicated hardware."""
+    """True when bf16 matrix multiplication runs on dedicated hardware and the kernels use it.
+
+    On a CPU the processor must have the units (AMX or AVX-512 BF16) and torch's and oneDNN's
+    kernels must not be capped below them (:data:`ISA_CAPS`): under an AVX2 cap bf16 is emulated
+    there as on a processor without the units, so ``auto`` takes fp32 as it would there.
+    """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     cpu = torch.backends.cpu
     capability = cpu.get_cpu_capability() if hasattr(cpu, "get_cpu_capability") else ""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return "AMX" in capability or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    units = "AMX" in capability or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    uncapped = capability.startswith(("AVX512", "AMX")) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return units and uncapped
 
 
 def resolve_dtype(name: DtypeName | str, device: torch.device | None = None) -> torch.dtype:
