@@ -25,7 +25,7 @@ costs stay calibrated and tau is re-estimated online:
   tokens over the square root of its observation count), if that beats the choice's estimate by
   more than the choice's tolerance (less could not move the choice; on a large batch, where
   every budget is within a few percent of plain decoding and a probe step costs about two plain
-  ones, such probes would be all that drafting costs). The spread is measured online (a budget
+  ones, probes are most of what a choice of 0 pays for the drafter). The spread is measured online (a budget
   seen too little borrows the widest spread of the smaller ones, never less than ``optimism``):
   accepted lengths spread with tau, so a fixed bonus that suits tau 1.5 is too timid to ever try
   a larger budget at tau 3.5. So a budget the calibration under-rated is found, even past a

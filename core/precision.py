@@ -57,8 +57,8 @@ def has_native_bf16(device: torch.device) -> bool:
     capability = cpu.get_cpu_capability() if hasattr(cpu, "get_cpu_capability") else ""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     units = "AMX" in capability or any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
-    uncapped = capability.startswith(("AVX512", "AMX")) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return units and uncapped
+    uncapped = capability.startswith(("AVX512", "AMX")) and torch.backends.mkldnn.is_available()
+    return units and uncapped and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def resolve_dtype(name: DtypeName | str, device: torch.device | None = None) -> torch.dtype:

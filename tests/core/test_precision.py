@@ -11,8 +11,8 @@ import torch
 from jetflow.core.precision import ISA_CAPS, cpu_kernels
 
 PROBE = (
-    "from jetflow.core.precision import cpu_kernels, resolve_dtype; "
-    "print(cpu_kernels()); print(resolve_dtype('auto', __import__('torch').device('cpu')))"
+    "import torch; from jetflow.core.precision import cpu_kernels, resolve_dtype; "
+    "print(cpu_kernels()); print(resolve_dtype('auto', torch.device('cpu')))"
 )
 
 
