@@ -25,16 +25,17 @@ costs stay calibrated and tau is re-estimated online:
   tokens over the square root of its observation count), if that beats the choice's estimate by
   more than the choice's tolerance (less could not move the choice; on a large batch, where
   every budget is within a few percent of plain decoding and a probe step costs about two plain
-  ones, probes are most of what a choice of 0 pays for the drafter). The spread is measured online (a budget
-  seen too little borrows the widest spread of the smaller ones, never less than ``optimism``):
-  accepted lengths spread with tau, so a fixed bonus that suits tau 1.5 is too timid to ever try
-  a larger budget at tau 3.5. So a budget the calibration under-rated is found, even past a
-  neighbour that is no better; once a budget has been seen often enough to be ruled out it is
-  no longer probed. With a nested policy a probe also refreshes every smaller budget. At budget
-  0 the steps observe nothing and each probe costs a tree's verify, so there a probe that leaves
-  the choice at 0 doubles the interval to the next (up to ``max_probe_every``) and a change of
-  choice resets it: on a machine where no tree pays, probing thins out and the run costs what
-  plain decoding costs. At a drafting choice every step is observed and probes keep their pace.
+  ones, probes are most of what a choice of 0 pays for the drafter). The spread is measured
+  online (a budget seen too little borrows the widest spread of the smaller ones, never less
+  than ``optimism``): accepted lengths spread with tau, so a fixed bonus that suits tau 1.5 is
+  too timid to ever try a larger budget at tau 3.5. So a budget the calibration under-rated is
+  found, even past a neighbour that is no better; once a budget has been seen often enough to be
+  ruled out it is no longer probed. With a nested policy a probe also refreshes every smaller
+  budget. At budget 0 the steps observe nothing and each probe costs a tree's verify, so there a
+  probe that leaves the choice at 0 doubles the interval to the next (up to
+  ``max_probe_every``) and a change of choice resets it: on a machine where no tree pays,
+  probing thins out and the run costs what plain decoding costs. At a drafting choice every step
+  is observed and probes keep their pace.
 * **Choice**: the calibration's own rule (:func:`choose_budget`): the smallest budget whose
   expected tokens per second is within the tolerance of the best.
 
@@ -192,11 +193,13 @@ class AdaptiveBudget:
         if self._since_probe < self._interval:
             return self.choice
         self._since_probe = 0
+        tau = self.tau()  # one isotonic fit serves the choice's speed and the optimistic ones
+        chosen = int(np.searchsorted(self.budgets, self.choice))
+        current = tau[chosen] / self.cost_s[chosen]
         bonus = self.spread() / np.sqrt(self.prior_weight + self._steps)
-        optimistic = (self.tau() + bonus) / self.cost_s
+        optimistic = (tau + bonus) / self.cost_s
         optimistic[self.budgets <= self.choice] = -np.inf
         probe = int(np.argmax(optimistic))
-        current = self.speeds()[int(np.searchsorted(self.budgets, self.choice))]
         # the choice is the smallest budget within the tolerance of the best: a budget above it
         # takes over only if it is faster by more than that, so a probe that could not do so
         # even at its optimistic speed is a larger step that teaches nothing the choice uses
