@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from jetflow.core.atomic import atomic_path
@@ -105,6 +106,38 @@ def package_key(model: PreTrainedModel, autotune: bool) -> str:
         sample = flat[:: max(1, flat.numel() // 256)][:256].float().cpu()
         digest.update(f"{name}{tuple(tensor.shape)}".encode() + sample.numpy().tobytes())
     return digest.hexdigest()[:20]
+
+
+def build_package(
+    module: torch.nn.Module,
+    example: tuple[object, ...],
+    dynamic_shapes: tuple[object, ...],
+    path: Path,
+    autotune: bool,
+) -> None:
+    """Export ``module`` on ``example`` inputs and compile it by AOTInductor into ``path``, with
+    the weights frozen into constants (inductor packs them for its own kernels) and, with
+    ``autotune``, inductor's C++ GEMM template timed against the library kernels per shape.
+
+    The package appears whole or not at all (a build cut short leaves nothing to load)."""
+    _use_jetflow_caches()
+    with unpacked(module), torch.no_grad():  # inductor packs the weights its own way
+        program = torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
+    options: dict[str, object] = {"freezing": True}
+    if autotune:
+        # the progress line is jetflow's warning, not inductor's table of timings per GEMM
+        options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+        options["autotune_num_choices_displayed"] = 0
+    with atomic_path(path.parent, replace=False) as staging:
+        staging.mkdir()
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(staging / path.name), inductor_configs=options
+        )
+
+
+def load_package(path: Path) -> Callable[..., Any]:
+    """The compiled program of a package :func:`build_package` wrote."""
+    return torch._inductor.aoti_load_package(str(path))
 
 
 def built_buckets(
@@ -198,7 +231,7 @@ class CompiledForward:
         self.compile_s: dict[int, float] = {}
         #: the buckets this process built (the others it used were loaded)
         self.built: set[int] = set()
-        self._runners: dict[int, Callable[..., tuple[Tensor, tuple[Tensor, ...]]]] = {}
+        self._runners: dict[int, Callable[..., Any]] = {}
         #: the buckets whose packages were on disk when this forward was made
         self._on_disk = {bucket for bucket in self.buckets if self.package(bucket).is_file()}
 
@@ -229,7 +262,7 @@ class CompiledForward:
                 log.warning("compiling the target for %d-node trees: minutes, once on this machine", rows)
                 self._build(rows)
                 self.built.add(rows)
-            runner = torch._inductor.aoti_load_package(str(self.package(rows)))
+            runner = load_package(self.package(rows))
             self._runners[rows] = runner
             self.compile_s[rows] = time.perf_counter() - started
             verb = "compiled" if rows in self.built else "loaded"
@@ -238,7 +271,6 @@ class CompiledForward:
 
     def _build(self, rows: int) -> None:
         """Export the forward for ``rows`` new rows and compile it into :meth:`package`."""
-        _use_jetflow_caches()
         history = _EXAMPLE_HISTORY
         cache = slab_cache(self.model, 1, history + rows + 1)
         layers = slab_layers(cache) or []
@@ -256,20 +288,7 @@ class CompiledForward:
         # transformers installs its hidden-state capturing hooks on the first forward that asks
         # for them, under a lock tracing cannot enter: one eager token installs them beforehand
         self.model(input_ids=example[0][:, :1], output_hidden_states=True)
-        with unpacked(self.model), torch.no_grad():  # inductor packs the weights its own way
-            program = torch.export.export(
-                _ExportedForward(self.model), example, dynamic_shapes=shapes, strict=False
-            )
-        options: dict[str, object] = {"freezing": True}
-        if self.autotune:
-            # the progress line is jetflow's warning, not inductor's table of timings per GEMM
-            options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-            options["autotune_num_choices_displayed"] = 0
-        with atomic_path(self.package(rows).parent, replace=False) as staging:
-            staging.mkdir()
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(staging / self.package(rows).name), inductor_configs=options
-            )
+        build_package(_ExportedForward(self.model), example, shapes, self.package(rows), self.autotune)
 
     @torch.inference_mode()
     def __call__(

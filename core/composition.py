@@ -222,6 +222,10 @@ class ComposedDrafter(Drafter):
             drafter.reset()
         self.hit_rate.reset()
 
+    def prepare(self, depths: Sequence[int]) -> None:
+        for drafter in self.drafters:
+            drafter.prepare(depths)
+
     def for_row(self) -> ComposedDrafter:
         """A row of a batch: its own parts (each a row of the part here) and its own hit rate."""
         row = copy.copy(self)

@@ -195,6 +195,11 @@ class Drafter(Plugin, ABC):
         """
         return [row.begin(context) for row, context in zip(rows, contexts, strict=True)]
 
+    def prepare(self, depths: Sequence[int]) -> None:
+        """Get ready, before any step is timed, to draft trees as deep as each of ``depths`` (the
+        depth bounds of the steps to come): load or build what those steps will need, so that no
+        step pays for it. Nothing by default."""
+
     # The target features of committed tokens, kept until the next ``begin`` asks: after steps
     # at budget 0 (nothing drafted) they pile up, and the next context carries them all. A list,
     # joined once when asked: a run of such steps then costs no copy per step.

@@ -107,6 +107,11 @@ class Engine:
         if self.target.compiled is not None:  # the packages this engine's trees can use, before any timing
             largest = self.adaptive.largest if self.adaptive is not None else self.shape.budget
             self.target.compiled.load(rows=1 + largest if self.drafter is not None else 1)
+        if self.drafter is not None:  # ... and what drafting them needs
+            budgets = self.adaptive.budgets.tolist() if self.adaptive is not None else [self.shape.budget]
+            self.drafter.prepare(
+                sorted({min(budget, self.shape.max_depth) for budget in budgets if budget > 0})
+            )
         self._serving = threading.Lock()  # held by the generation in progress
 
     def calibration_key(self, compiled: bool | None = None) -> CalibrationKey:

@@ -101,7 +101,7 @@ class ContextCache:
 
     @property
     def length(self) -> int:
-        return int(self.kv[0][0].shape[2])
+        return self.kv[0][0].shape[2]  # a plain int, symbolic while the step is exported
 
 
 class BlockHead(DraftHead[ContextCache]):
@@ -344,7 +344,7 @@ class BlockHead(DraftHead[ContextCache]):
         Every row's few new tokens go through the fusion and each layer's key-value projection
         together, so the head's weights are read once per step rather than once per row.
         """
-        counts = [int(rows.shape[0]) for rows in features]
+        counts = [rows.shape[0] for rows in features]
         if not any(counts):
             return list(caches)
         joined = torch.cat([rows.to(device=self.device, dtype=self.dtype) for rows in features])[None]
@@ -395,7 +395,7 @@ class BlockHead(DraftHead[ContextCache]):
         lengths = torch.tensor([cache.length for cache in caches], device=self.device)
         context = _padded_kv(caches)
         x, offsets = self.block_inputs(anchor_embeds[:, None], last_fused=self._last_rows(caches))
-        c = int(context[0][0].shape[2])
+        c = context[0][0].shape[2]
         mask = self.block_mask(lengths[:, None], c)
         if depth is not None and self.config.causal:
             keep = 1 + max(1, min(depth, self.config.block_size - 1))

@@ -30,6 +30,7 @@ from jetflow.drafters.block_head import (
     target_has_qk_norm,
 )
 from jetflow.drafters.blocks import full_vocabulary, top_proposals
+from jetflow.drafters.compiled_step import CompiledBlockStep
 from jetflow.drafters.learned import LearnedDrafter, LearnedParams
 from pydantic import Field, ValidationError
 from torch import Tensor
@@ -179,6 +180,8 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
                 f"refresh needs a {self.name} head trained with path_conditioning > 0; "
                 f"{self.checkpoint} was not"
             )
+        #: the compiled drafting step, made once the target verifies compiled
+        self._compiled: CompiledBlockStep | None = None
 
     @classmethod
     def head_from_architecture(cls, architecture: dict[str, Any]) -> BlockHead:
@@ -221,14 +224,44 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
     @torch.inference_mode()
     def _begin_rows(self, rows: Sequence[Drafter], contexts: Sequence[DraftContext]) -> list[PerDepthSession]:
         drafters = [self._own_row(row) for row in rows]
-        self._take_in(drafters, contexts)
-        roots = torch.stack([context.tokens[-1] for context in contexts]).to(self.head.device)
         bounds = [context.depth for context in contexts]
         depth = None if None in bounds else max(cast("list[int]", bounds))
+        if len(drafters) == 1 and (compiled := self._compiled_begin(drafters[0], contexts[0], depth)):
+            return [compiled]
+        self._take_in(drafters, contexts)
+        roots = torch.stack([context.tokens[-1] for context in contexts]).to(self.head.device)
         caches = [row._cache for row in drafters]
         hidden = self.head.draft_rows(caches, self.shared.embed(roots), depth)  # [R, D, H]
-        logprobs = self._logprobs(hidden.flatten(0, 1)).unflatten(0, hidden.shape[:2])  # [R, D, N]
+        logprobs = self.logprobs_of(hidden.flatten(0, 1)).unflatten(0, hidden.shape[:2])  # [R, D, N]
         return [row._session(row_logprobs) for row, row_logprobs in zip(drafters, logprobs, strict=True)]
+
+    def _compiled_begin(
+        self, row: JetFlowDrafter, context: DraftContext, depth: int | None
+    ) -> PerDepthSession | None:
+        """``row``'s step through the compiled head where the target verifies compiled (None: eagerly)."""
+        compiled = self._compiled_step()
+        stepped = None if compiled is None else compiled(row._cache, context.features, context.tokens, depth)
+        if stepped is None:
+            return None
+        row._cache, logprobs = stepped
+        context.check_in_step(row._cache.length, self.name)
+        return row._session(logprobs)
+
+    def _compiled_step(self) -> CompiledBlockStep | None:
+        """The compiled drafting step beside the target's compiled forward (None: the target is eager)."""
+        forward = self.target.compiled
+        if forward is None:
+            return None
+        if self._compiled is None or self._compiled.forward is not forward:
+            self._compiled = CompiledBlockStep(self, forward)
+        return self._compiled
+
+    def prepare(self, depths: Sequence[int]) -> None:
+        """Load (or, where the target's packages are built, build) the compiled steps of ``depths``."""
+        compiled = self._compiled_step()
+        if compiled is not None:
+            for count in sorted({compiled.depths(depth) for depth in depths}):
+                compiled.load(count)
 
     def _own_row(self, row: Drafter) -> JetFlowDrafter:
         """``row`` as a row of this drafter (made by :meth:`for_row`): same class, same head."""
@@ -262,7 +295,8 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
     def _vocab(self) -> Tensor | None:
         return self.lm.tokens
 
-    def _logprobs(self, hidden: Tensor) -> Tensor:
+    def logprobs_of(self, hidden: Tensor) -> Tensor:
+        """Log-probabilities over the draft vocabulary of the head's normed ``hidden [..., H]``."""
         return torch.log_softmax(self.lm.logits(hidden).float(), dim=-1)
 
     @torch.inference_mode()
@@ -270,7 +304,7 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
         """One more head pass over ``tree``: every node's children given its actual path."""
         embeds = self.shared.embed(tree.tokens.to(self.head.device))
         hidden = self.head.refresh(self._cache, embeds, tree.depths, tree.ancestor_mask)
-        return PathConditionedSession(session, tree, self._logprobs(hidden))
+        return PathConditionedSession(session, tree, self.logprobs_of(hidden))
 
 
 @hookimpl
