@@ -14,7 +14,8 @@ the thread count: the first process that needs a bucket builds it, every later o
 seconds.
 ``jetflow calibrate --compile`` builds the buckets ahead of time; a run that did not ask to
 compile uses the buckets already built and verifies other tree sizes eagerly, so a first run on a
-new machine never waits for a compile.
+new machine never waits for a compile. :func:`build_package` and :func:`load_package` serve any
+module the same way (a drafter compiles its head's step beside the target's buckets).
 
 Shapes: a package serves a fixed number of rows (a *bucket*; a smaller tree is padded with rows
 nobody sees and whose outputs are dropped), while the length of the KV history and the slab's

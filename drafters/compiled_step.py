@@ -43,32 +43,32 @@ _LONGEST = 1 << 24
 _EXAMPLE_CONTEXT, _EXAMPLE_NEW = 8, 2
 _PACKAGE_FILE = "step.pt2"
 #: what changes in the exported step's signature bump, so that older packages are not loaded
-STEP_FORMAT = 1
+STEP_FORMAT = 2
 
 
 class _ExportedStep(nn.Module):
-    """The step a package holds: ``(features [S, k, H], following [S], anchor [1], keys, values)``
-    -> the per-depth log-probabilities ``[D, N]`` and the extended context (each layer's keys and
-    values ``[1, kv_heads, c + S, head_dim]``, the last fused feature ``[H]``).
+    """The step a package holds: ``(features [S, k, H], next_embeds [S, H], keys, values)`` -> the
+    per-depth log-probabilities ``[D, N]`` and the extended context (each layer's keys and values
+    ``[1, kv_heads, c + S, head_dim]``, the last fused feature ``[H]``).
 
-    ``following`` are the tokens after each new entry (the last is the anchor) and ``keys`` /
-    ``values`` the context cache so far, one per head layer.
+    ``next_embeds`` embed the token after each new entry, the last of them the anchor's; ``keys`` /
+    ``values`` are the context cache so far, one per head layer. The embedding lookup stays outside:
+    the target's embedding table would otherwise be frozen into every package.
     """
 
     def __init__(self, drafter: JetFlowDrafter, depth: int) -> None:
         super().__init__()
         self.head = drafter.head
-        self.embed = drafter.shared.embed_tokens
         self.logprobs = drafter.logprobs_of
         self.depth = depth
 
     def forward(
-        self, features: Tensor, following: Tensor, anchor: Tensor, keys: list[Tensor], values: list[Tensor]
+        self, features: Tensor, next_embeds: Tensor, keys: list[Tensor], values: list[Tensor]
     ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor | None]:
         cache = ContextCache(tuple(zip(keys, values, strict=True)))
-        next_embeds = self.embed(following) if self.head.token_proj is not None else None
-        (extended,) = self.head.extend_rows([cache], [features], [next_embeds])
-        hidden = self.head.draft_rows([extended], self.embed(anchor), self.depth)
+        following = next_embeds if self.head.token_proj is not None else None
+        (extended,) = self.head.extend_rows([cache], [features], [following])
+        hidden = self.head.draft_rows([extended], next_embeds[-1:], self.depth)
         return (
             self.logprobs(hidden[0]),
             [layer_keys for layer_keys, _ in extended.kv],
@@ -120,11 +120,10 @@ class CompiledBlockStep:
         if runner is None:
             return None
         head = self.drafter.head
-        following = tokens[len(tokens) - new :].to(head.device)
+        following = self.drafter.shared.embed(tokens[len(tokens) - new :].to(head.device))
         logprobs, keys, values, last = runner(
             features.to(device=head.device, dtype=head.dtype),
-            following,
-            following[-1:],
+            following.to(head.dtype),
             [layer_keys for layer_keys, _ in cache.kv],
             [layer_values for _, layer_values in cache.kv],
         )
@@ -167,15 +166,14 @@ class CompiledBlockStep:
             torch.zeros(
                 _EXAMPLE_NEW, len(config.feature_layers), config.hidden_size, device=device, dtype=dtype
             ),
-            torch.zeros(_EXAMPLE_NEW, dtype=torch.long, device=device),
-            torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(_EXAMPLE_NEW, config.hidden_size, device=device, dtype=dtype),
             [context.clone() for _ in head.decoder_layers],
             [context.clone() for _ in head.decoder_layers],
         )
         new = torch.export.Dim("new", min=1, max=MAX_NEW_ENTRIES)
         length = {2: torch.export.Dim("context", min=1, max=_LONGEST)}
         layers = len(head.decoder_layers)
-        shapes: tuple[object, ...] = ({0: new}, {0: new}, {}, [length] * layers, [length] * layers)
+        shapes: tuple[object, ...] = ({0: new}, {0: new}, [length] * layers, [length] * layers)
         build_package(
             _ExportedStep(self.drafter, depths), example, shapes, self.package(depths), self.forward.autotune
         )

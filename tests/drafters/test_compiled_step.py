@@ -119,20 +119,22 @@ def test_steps_it_cannot_take_run_eagerly(compiled_llama, tmp_path, monkeypatch)
     assert not unbuilt.package(3).is_file(), "a run that may not build never builds"
 
 
-def test_engine_with_the_compiled_head_decodes_greedily(compiled_llama, tmp_path) -> None:
+@pytest.mark.parametrize("drafter", ["jetflow", "jetflow+ngram"])
+def test_engine_with_the_compiled_head_decodes_greedily(compiled_llama, tmp_path, drafter) -> None:
     head = tiny_head(compiled_llama, anchored_slots=True, context_tokens=True)
-    checkpoint = save_head(tmp_path, compiled_llama, head)
+    params = {"checkpoint": str(save_head(tmp_path, compiled_llama, head))}
     prompt = [7, 8, 9, 10, 11] * 3 + [7]
     with torch.inference_mode():
         out = compiled_llama.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
     fields = {
-        "drafter": "jetflow",
-        "drafter_params": {"checkpoint": str(checkpoint)},
+        "drafter": drafter,
+        "drafter_params": params if drafter == "jetflow" else {"jetflow": params},
         "max_new_tokens": 24,
         "tree": {"budget": 3, "adapt": False},
     }
     engine = Engine(build_config(GenerateConfig, fields), compiled_llama)
-    step = engine.drafter._compiled
+    head_drafter = engine.drafter if drafter == "jetflow" else engine.drafter.drafters[0]
+    step = head_drafter._compiled
     assert step is not None and list(step.compile_s) == [3], "ready before the first step is timed"
     result = engine.generate(prompt)
     assert result.token_ids == out[0, len(prompt) :].tolist()
