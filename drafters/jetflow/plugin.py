@@ -226,8 +226,10 @@ class JetFlowDrafter(LearnedDrafter[ContextCache]):
         drafters = [self._own_row(row) for row in rows]
         bounds = [context.depth for context in contexts]
         depth = None if None in bounds else max(cast("list[int]", bounds))
-        if len(drafters) == 1 and (compiled := self._compiled_begin(drafters[0], contexts[0], depth)):
-            return [compiled]
+        if len(drafters) == 1:  # one sequence: through the compiled head where there is one
+            compiled = self._compiled_begin(drafters[0], contexts[0], depth)
+            if compiled is not None:
+                return [compiled]
         self._take_in(drafters, contexts)
         roots = torch.stack([context.tokens[-1] for context in contexts]).to(self.head.device)
         caches = [row._cache for row in drafters]
