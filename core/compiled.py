@@ -136,9 +136,19 @@ def build_package(
         )
 
 
-def load_package(path: Path) -> Callable[..., Any]:
-    """The compiled program of a package :func:`build_package` wrote."""
-    return torch._inductor.aoti_load_package(str(path))
+def load_package(path: Path, build: Callable[[], None], what: str) -> tuple[Callable[..., Any], float, bool]:
+    """The compiled program of the package at ``path``, which ``build`` (a :func:`build_package`
+    call) writes first where it is missing; with the seconds that took and whether it built.
+    ``what`` names the program in the progress lines ("the target for 3-node trees")."""
+    started = time.perf_counter()
+    built = not path.is_file()
+    if built:
+        log.warning("compiling %s: minutes, once on this machine", what)
+        build()
+    program = torch._inductor.aoti_load_package(str(path))
+    seconds = time.perf_counter() - started
+    log.info("%s %s in %.1f s", "compiled" if built else "loaded", what, seconds)
+    return program, seconds, built
 
 
 def built_buckets(
@@ -258,16 +268,13 @@ class CompiledForward:
     def _runner(self, rows: int):
         runner = self._runners.get(rows)
         if runner is None:
-            started = time.perf_counter()
-            if not self.package(rows).is_file():
-                log.warning("compiling the target for %d-node trees: minutes, once on this machine", rows)
-                self._build(rows)
-                self.built.add(rows)
-            runner = load_package(self.package(rows))
+            what = f"the target for {rows}-node trees"
+            runner, self.compile_s[rows], built = load_package(
+                self.package(rows), lambda: self._build(rows), what
+            )
             self._runners[rows] = runner
-            self.compile_s[rows] = time.perf_counter() - started
-            verb = "compiled" if rows in self.built else "loaded"
-            log.info("%s the target for %d-node trees in %.1f s", verb, rows, self.compile_s[rows])
+            if built:
+                self.built.add(rows)
         return runner
 
     def _build(self, rows: int) -> None:

@@ -397,10 +397,17 @@ class BlockHead(DraftHead[ContextCache]):
         x, offsets = self.block_inputs(anchor_embeds[:, None], last_fused=self._last_rows(caches))
         c = context[0][0].shape[2]
         mask = self.block_mask(lengths[:, None], c)
-        if depth is not None and self.config.causal:
-            keep = 1 + max(1, min(depth, self.config.block_size - 1))
-            x, offsets, mask = x[:, :keep], offsets[:keep], mask[:, :keep, : c + keep]
+        keep = 1 + self.drafted_depths(depth)
+        x, offsets, mask = x[:, :keep], offsets[:keep], mask[:, :keep, : c + keep]
         return self.block_hidden(x, lengths[:, None] + offsets, context, mask)[:, 1:]
+
+    def drafted_depths(self, depth: int | None) -> int:
+        """``D``, the depths :meth:`draft_rows` computes for trees no deeper than ``depth`` (None:
+        unbounded): every slot of the block unless it is causal, where the first ``depth`` suffice."""
+        deepest = self.config.block_size - 1
+        if depth is None or not self.config.causal:  # a bidirectional block's slots all see each other
+            return deepest
+        return max(1, min(depth, deepest))
 
     def _last_rows(self, caches: Sequence[ContextCache]) -> Tensor | None:
         """The caches' last fused features as ``[R, 1, H]`` when the slots need them."""

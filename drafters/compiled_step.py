@@ -18,8 +18,6 @@ fall the other way; verification keeps the output the target's own either way.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +30,6 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from jetflow.drafters.jetflow.plugin import JetFlowDrafter
 
-log = logging.getLogger(__name__)
 
 #: the most new context entries one compiled step takes in; a longer stretch (the prompt, on the
 #: first step) is projected by the eager head, whose kernels suit many rows
@@ -99,11 +96,7 @@ class CompiledBlockStep:
 
     def depths(self, bound: int | None) -> int:
         """Depths a step computes for trees no deeper than ``bound`` (None: unbounded)."""
-        config = self.drafter.head.config
-        deepest = config.block_size - 1
-        if bound is None or not config.causal:  # every slot of a bidirectional block sees every other
-            return deepest
-        return max(1, min(bound, deepest))
+        return self.drafter.head.drafted_depths(bound)
 
     @torch.inference_mode()
     def __call__(
@@ -132,26 +125,13 @@ class CompiledBlockStep:
     def load(self, depths: int) -> Callable[..., Any] | None:
         """The step of ``depths`` depths: loaded, or built first where building is on (None: neither)."""
         if depths not in self._runners:
-            started = time.perf_counter()
-            built = False
-            if not self.package(depths).is_file():
-                if not self.forward.build:
-                    self._runners[depths] = None
-                    return None
-                log.warning(
-                    "compiling the %s head for %d-depth drafts: a minute, once", self.drafter.name, depths
-                )
-                self._build(depths)
-                built = True
-            self._runners[depths] = load_package(self.package(depths))
-            self.compile_s[depths] = time.perf_counter() - started
-            verb = "compiled" if built else "loaded"
-            log.info(
-                "%s the %s head for %d-depth drafts in %.1f s",
-                verb,
-                self.drafter.name,
-                depths,
-                self.compile_s[depths],
+            package = self.package(depths)
+            if not self.forward.build and not package.is_file():
+                self._runners[depths] = None
+                return None
+            what = f"the {self.drafter.name} head for {depths}-depth drafts"
+            self._runners[depths], self.compile_s[depths], _ = load_package(
+                package, lambda: self._build(depths), what
             )
         return self._runners[depths]
 
