@@ -137,20 +137,21 @@ class SlabLayer(DynamicLayer):
             raise ValueError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
         self.set_lengths([max(length + tokens_to_remove, 0) for length in self.lengths])
 
-    def keep_rows(self, starts: list[int], sources: Tensor, kept: list[int]) -> None:
-        """Per row ``r``: move positions ``sources[r, :kept[r]]`` (absolute, ascending) to
-        ``starts[r], starts[r] + 1, ...``; row ``r`` then holds ``starts[r] + kept[r]`` positions.
+    def keep_rows(self, rows: Tensor, starts: list[int], sources: Tensor, lengths: list[int]) -> None:
+        """Per moved row ``rows[i]``: move positions ``sources[i]`` (absolute, ascending) to
+        ``starts[i], starts[i] + 1, ...``; then every row ``r`` holds ``lengths[r]`` positions.
 
-        ``sources [rows, k]`` is padded past ``kept[r]`` with any positions of the row's own
-        tree: what they copy lands beyond the row's new length, where nothing reads it.
+        ``sources [moved, k]`` is padded past a row's kept count with any positions of the row's
+        own tree: what they copy lands beyond the row's new length, where nothing reads it. Rows
+        not in ``rows`` move nothing (their kept entries are in place).
         """
         device = self.key_slab.device
-        rows = torch.arange(self.rows, device=device)[:, None]
+        rows = rows.to(device)[:, None]
         sources = sources.to(device)
         targets = torch.tensor(starts, device=device)[:, None] + torch.arange(sources.shape[1], device=device)
         self.key_slab[rows, :, targets] = self.key_slab[rows, :, sources]
         self.value_slab[rows, :, targets] = self.value_slab[rows, :, sources]
-        self.set_lengths([start + count for start, count in zip(starts, kept, strict=True)])
+        self.set_lengths(lengths)
 
     def keep(self, start: int, source: Tensor) -> None:
         """Move positions ``source`` (absolute, ascending) to ``start, start + 1, ...`` and drop the rest.

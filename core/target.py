@@ -329,13 +329,19 @@ class Target:
         if slabs is None:
             raise TargetError("commit_rows needs a slab cache")
         kept = [0 if path is None else int(path.shape[0]) for path in paths]
-        width = max(max(kept), 1)
-        sources = torch.tensor([[start] * width for start in starts], dtype=torch.long)
-        for row, path in enumerate(paths):  # a copy per row, not per token
-            if path is not None:
-                sources[row, : kept[row]] = starts[row] + path.cpu()
+        lengths = [start + count for start, count in zip(starts, kept, strict=True)]
+        moved = [(row, path) for row, path in enumerate(paths) if path is not None and not _in_place(path)]
+        if not moved:  # every kept entry already sits where it belongs (e.g. every step at budget 0)
+            for slab in slabs:
+                slab.set_lengths(lengths)
+            return
+        width = max(int(path.shape[0]) for _, path in moved)
+        sources = torch.tensor([[starts[row]] * width for row, _ in moved], dtype=torch.long)
+        for index, (row, path) in enumerate(moved):  # a copy per moved row, not per token
+            sources[index, : path.shape[0]] = starts[row] + path.cpu()
+        rows = torch.tensor([row for row, _ in moved], dtype=torch.long)
         for slab in slabs:
-            slab.keep_rows(list(starts), sources, kept)
+            slab.keep_rows(rows, [starts[row] for row, _ in moved], sources, lengths)
 
     @staticmethod
     @torch.inference_mode()
@@ -347,6 +353,10 @@ class Target:
         """
         slabs = slab_layers(cache)
         if slabs is not None:
+            if _in_place(path):  # nothing to move: the root alone, or a chain accepted from its start
+                for slab in slabs:
+                    slab.set_length(n_cached + int(path.shape[0]))
+                return
             source = (n_cached + path).to(slabs[0].keys.device)
             for slab in slabs:
                 slab.keep(n_cached, source)
@@ -364,6 +374,13 @@ class Target:
         if not layers:
             return None
         return torch.stack([out.hidden_states[i][0] for i in layers], dim=1)
+
+
+def _in_place(path: Tensor) -> bool:
+    """Whether an accepted ``path``'s entries already sit where a commit would move them: nodes
+    ``0, 1, ..., k - 1`` (the root alone at budget 0 or on a full rejection, or a tree's first
+    nodes), so the commit only sets the length."""
+    return bool(torch.equal(path.cpu(), torch.arange(int(path.shape[0]), dtype=path.dtype)))
 
 
 def _filled_keys_values(layer: object) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,5 @@
 """Where a batched step's time goes: drafting and verifying ms per step, tau and nodes per forward,
-for `ar` and fixed budgets, one process, one thread, the same prompts (first turns).
+for `ar` and fixed budgets, one process, one thread (``--threads``), the same prompts (first turns).
 
 Each method is ``ar`` or ``BUDGET[:SPLIT]`` (split ``best-first``, the default, or ``equal``);
 ``--extra-depth`` sets how far below its share's deepest tree a row drafted past its share may
@@ -39,8 +39,9 @@ def main() -> None:
     parser.add_argument("--methods", default="ar,2,2:equal")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--extra-depth", type=int, default=allocation.EXTRA_DEPTH)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     allocation.EXTRA_DEPTH = args.extra_depth
     target = Target.load("default", resolve_dtype("auto"))
     prompts = [sample.messages() for sample in load_dataset_samples(args.dataset, args.limit)]

@@ -97,3 +97,49 @@ def test_a_ragged_write_attends_over_the_whole_contiguous_slab() -> None:
     short = RaggedRows.of([3, 5], [2, 1], torch.device("cpu"))
     with pytest.raises(ValueError, match="columns"):
         layer.update(new, -new, kwargs={LAYOUT_KEYWORD: short})
+
+
+def _slab_target_cache(rows: int, lengths: list[int]):
+    """A cache of two slab layers whose row ``r`` holds positions numbered ``100 r + position``."""
+    from transformers import DynamicCache
+
+    history = torch.arange(12, dtype=torch.float32) + 100 * torch.arange(rows, dtype=torch.float32)[:, None]
+    cache = DynamicCache()
+    cache.layers = []
+    for _ in range(2):
+        slab = history.reshape(rows, 1, 12, 1).clone()
+        layer = SlabLayer(slab, -slab)
+        layer.set_lengths(lengths)
+        cache.layers.append(layer)
+    return cache
+
+
+def test_a_commit_already_in_place_moves_nothing() -> None:
+    """Keeping nodes 0..k-1 (the root alone, a chain's first nodes) only sets the length: the
+    storage is not written (its version counter does not move); any other path is gathered."""
+    cache = _slab_target_cache(1, [8])
+    layer = cache.layers[0]
+    version = layer.key_slab._version
+    Target.commit(cache, 5, torch.tensor([0, 1]))
+    assert layer.key_slab._version == version and layer.lengths == [7]
+    assert layer.keys.flatten().tolist() == list(range(7))
+    Target.commit(cache, 5, torch.tensor([0, 2]))
+    assert layer.key_slab._version > version
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_commit_rows_moves_only_the_rows_whose_paths_are_out_of_place() -> None:
+    cache = _slab_target_cache(3, [9, 9, 9])
+    starts = [4, 6, 5]
+    paths = [torch.tensor([0]), torch.tensor([0, 2, 3]), None]
+    Target.commit_rows(cache, starts, paths)
+    for layer in cache.layers:
+        assert layer.lengths == [5, 9, 5]
+        torch.testing.assert_close(layer.value_slab, -layer.key_slab)
+        assert layer.key_slab[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 4]
+        assert layer.key_slab[1, 0, :9, 0].tolist() == [100 + p for p in (0, 1, 2, 3, 4, 5, 6, 8, 9)]
+        assert layer.key_slab[2, 0, :5, 0].tolist() == [200 + p for p in range(5)]
+    version = cache.layers[0].key_slab._version
+    Target.commit_rows(cache, [5, 9, 5], [torch.tensor([0, 1]), torch.tensor([0]), None])
+    assert cache.layers[0].key_slab._version == version
+    assert cache.layers[0].lengths == [7, 10, 5]
