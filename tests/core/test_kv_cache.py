@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from jetflow.attention.ragged_attention import LAYOUT_KEYWORD, RaggedRows
 from jetflow.core.kv_cache import SLAB_GRANULE, SlabLayer, is_slab
 from jetflow.core.target import Target
+from transformers import DynamicCache
 
 from tests.core.test_tree import random_trees
 
@@ -99,10 +100,8 @@ def test_a_ragged_write_attends_over_the_whole_contiguous_slab() -> None:
         layer.update(new, -new, kwargs={LAYOUT_KEYWORD: short})
 
 
-def _slab_target_cache(rows: int, lengths: list[int]):
+def _slab_target_cache(rows: int, lengths: list[int]) -> DynamicCache:
     """A cache of two slab layers whose row ``r`` holds positions numbered ``100 r + position``."""
-    from transformers import DynamicCache
-
     history = torch.arange(12, dtype=torch.float32) + 100 * torch.arange(rows, dtype=torch.float32)[:, None]
     cache = DynamicCache()
     cache.layers = []
