@@ -380,7 +380,7 @@ def _in_place(path: Tensor) -> bool:
     """Whether an accepted ``path``'s entries already sit where a commit would move them: nodes
     ``0, 1, ..., k - 1`` (the root alone at budget 0 or on a full rejection, or a tree's first
     nodes), so the commit only sets the length."""
-    return bool(torch.equal(path.cpu(), torch.arange(int(path.shape[0]), dtype=path.dtype)))
+    return torch.equal(path, torch.arange(path.shape[0], dtype=path.dtype, device=path.device))
 
 
 def _filled_keys_values(layer: object) -> tuple[Tensor, Tensor]:
