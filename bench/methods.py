@@ -25,6 +25,8 @@ from jetflow.core.calibration import (
     install_calibration,
     key_for,
     load_or_calibrate,
+    save_calibration,
+    with_batches,
 )
 from jetflow.core.config import AUTO_BUDGET, NO_DRAFTER, GenerateConfig, TreeConfig
 from jetflow.core.engine import Engine
@@ -129,9 +131,12 @@ def calibrate_auto_runs(
     ``kept`` (the results folder's copy) holds the calibrations the results were measured from:
     each one used is written there, and a ``resume`` starts from the one kept for this machine
     kind rather than a new measurement, so a data set stopped part-way goes on from the same
-    starting budget in a later session, where the machine's own cache is gone.
+    starting budget in a later session, where the machine's own cache is gone. With the batch
+    axis, each calibration also holds the step costs of the run's batch sizes (measured where it
+    lacks them), which the adaptive budget prices a batch's steps with.
     """
     measured = []
+    rows = sorted({size for size in config.batch_sizes or () if size > 1})
     for generate in auto_configs(config):
         key = key_for(generate, target, registry)
         copy = None if kept is None else kept / calibration_path(key).name
@@ -141,7 +146,15 @@ def calibrate_auto_runs(
             except ConfigError as error:
                 log.warning("measuring anew: %s", error)
         measure = partial(_announced_calibration, key, generate, target, registry, progress)
-        if load_or_calibrate(key, measure)[1]:
+        calibration, fresh = load_or_calibrate(key, measure)
+        # a batch's steps are priced by what a step of that many rows costs: measure the bench's sizes
+        missing = sorted(set(rows) - {batch.rows for batch in calibration.batches})
+        if missing:
+            sizes = ", ".join(map(str, missing))
+            log.warning("measuring %s-row steps of %s for its 'auto' runs (cached)", sizes, key.describe())
+            save_calibration(with_batches(calibration, generate, target, missing, registry=registry))
+            fresh = True
+        if fresh:
             measured.append(key)
         if copy is not None:
             copy.parent.mkdir(parents=True, exist_ok=True)

@@ -130,3 +130,34 @@ def test_a_resumed_bench_starts_its_auto_runs_from_the_calibrations_kept_with_it
     assert (
         cal.Calibration.model_validate_json((kept / cal.calibration_path(key).name).read_text()).budget == 3
     )
+
+
+def test_with_a_batch_axis_the_auto_calibrations_hold_the_step_costs_of_its_batch_sizes(
+    bench_target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached calibration without batched step costs (a plain `jetflow calibrate`) gains the
+    bench's sizes above one, measured once; without them the adaptive budget cannot price a
+    batch's steps from what they cost."""
+    from jetflow.bench import methods
+
+    measured: list[list[int]] = []
+
+    def with_batches(calibration: cal.Calibration, config, target, batch_sizes, **_) -> cal.Calibration:
+        measured.append(list(batch_sizes))
+        added = [cal.BatchPoint(rows=r, budgets=[0], draft_ms=[0.0], verify_ms=[1.0]) for r in batch_sizes]
+        return calibration.model_copy(update={"batches": [*calibration.batches, *added]})
+
+    monkeypatch.setattr(methods, "with_batches", with_batches)
+    fields = {"drafters": ["ngram"], "budgets": ["auto"], "baselines": [], "batch_sizes": [1, 4, 2]}
+    config = load_bench_config(None, fields)
+    key = cal.key_for(_auto_config(config, "ngram"), bench_target)
+    cal.save_calibration(_record(key, budget=3))
+
+    assert methods.calibrate_auto_runs(config, bench_target) == [key]
+    assert measured == [[2, 4]]
+    assert [batch.rows for batch in cal.load_calibration(key).batches] == [2, 4]
+    assert methods.calibrate_auto_runs(config, bench_target) == [], "measured once, then cached"
+    assert measured == [[2, 4]]
+    wider = load_bench_config(None, fields | {"batch_sizes": [2, 8]})
+    methods.calibrate_auto_runs(wider, bench_target)
+    assert measured == [[2, 4], [8]], "only the sizes it lacks"
