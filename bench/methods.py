@@ -136,7 +136,7 @@ def calibrate_auto_runs(
     lacks them), which the adaptive budget prices a batch's steps with.
     """
     measured = []
-    rows = sorted({size for size in config.batch_sizes or () if size > 1})
+    rows = {size for size in config.batch_sizes or () if size > 1}
     for generate in auto_configs(config):
         key = key_for(generate, target, registry)
         copy = None if kept is None else kept / calibration_path(key).name
@@ -148,7 +148,7 @@ def calibrate_auto_runs(
         measure = partial(_announced_calibration, key, generate, target, registry, progress)
         calibration, fresh = load_or_calibrate(key, measure)
         # a batch's steps are priced by what a step of that many rows costs: measure the bench's sizes
-        missing = sorted(set(rows) - {batch.rows for batch in calibration.batches})
+        missing = sorted(rows - {batch.rows for batch in calibration.batches})
         if missing:
             sizes = ", ".join(map(str, missing))
             log.warning("measuring %s-row steps of %s for its 'auto' runs (cached)", sizes, key.describe())

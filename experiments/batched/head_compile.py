@@ -14,18 +14,12 @@ import argparse
 import time
 
 import torch
-from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.precision import resolve_dtype
 from jetflow.core.target import Target
 from jetflow.data.prompt_sets import load_dataset_samples
 from jetflow.drafters.jetflow.plugin import JetFlowDrafter
-
-
-def engine_for(budget: int, target: Target, max_new_tokens: int) -> Engine:
-    tree = {"budget": budget, "adapt": False}
-    config = build_config(GenerateConfig, {"max_new_tokens": max_new_tokens, "compile": False, "tree": tree})
-    return Engine(config, target)
+from steps import config, step_report
 
 
 def compile_head(drafter: JetFlowDrafter) -> None:
@@ -38,21 +32,12 @@ def compile_head(drafter: JetFlowDrafter) -> None:
 
 
 def timed(engine: Engine, prompts: list, rows: int) -> tuple[str, list[list[int]]]:
+    """The run's report line (:func:`steps.step_report`) and every prompt's tokens."""
     engine.generate_batch(prompts[: rows * 2], max_new_tokens=16, batch_size=rows)  # warm-up, untimed
     started = time.perf_counter()
     results = engine.generate_batch(prompts, batch_size=rows)
     wall = time.perf_counter() - started
-    records = [step for result in results for step in result.steps]
-    steps = sum(1 / step.rows for step in records)  # every row records its step's shared times
-    draft = sum(step.draft_s / step.rows for step in records) / steps
-    verify = sum(step.verify_s / step.rows for step in records) / steps
-    tau = sum(step.accepted + 1 for step in records) / len(records)
-    generated = sum(result.new_tokens for result in results)
-    line = (
-        f"{generated / wall:6.1f} tokens/s, {steps:4.0f} steps, draft {1e3 * draft:5.2f} ms, "
-        f"verify {1e3 * verify:6.1f} ms a step, tau {tau:.2f}"
-    )
-    return line, [result.token_ids for result in results]
+    return step_report(results, wall), [result.token_ids for result in results]
 
 
 def main() -> None:
@@ -69,8 +54,8 @@ def main() -> None:
     prompts = [sample.messages() for sample in load_dataset_samples(args.dataset, args.limit)]
     for rows in map(int, args.batch_sizes.split(",")):
         for budget in map(int, args.budgets.split(",")):
-            eager = engine_for(budget, target, args.max_new_tokens)
-            compiled = engine_for(budget, target, args.max_new_tokens)
+            eager = Engine(config(str(budget), args.max_new_tokens), target)
+            compiled = Engine(config(str(budget), args.max_new_tokens), target)
             assert isinstance(compiled.drafter, JetFlowDrafter)
             compile_head(compiled.drafter)
             for name, engine in (("eager", eager), ("compiled", compiled), ("eager", eager)):

@@ -18,6 +18,7 @@ from jetflow.core import allocation
 from jetflow.core.config import GenerateConfig, build_config
 from jetflow.core.engine import Engine
 from jetflow.core.precision import resolve_dtype
+from jetflow.core.result import GenerationResult
 from jetflow.core.target import Target
 from jetflow.data.prompt_sets import load_dataset_samples
 
@@ -52,21 +53,26 @@ def main() -> None:
             started = time.perf_counter()
             results = engine.generate_batch(prompts, batch_size=rows)
             wall = time.perf_counter() - started
-            records = [step for result in results for step in result.steps]
-            # every row records its step's shared times: weighting each by 1/rows counts each step once
-            steps = sum(1 / step.rows for step in records)
-            draft = sum(step.draft_s / step.rows for step in records) / steps
-            verify = sum(step.verify_s / step.rows for step in records) / steps
-            nodes = sum(step.batch_budget / step.rows for step in records) / steps
-            tau = sum(step.accepted + 1 for step in records) / len(records)
-            generated = sum(result.new_tokens for result in results)
-            prefill = sum(result.prefill_s for result in results)
-            print(
-                f"rows {rows:3d} {method:>12}: {generated / wall:6.1f} tokens/s, prefill {prefill:5.1f} s, "
-                f"{steps:4.0f} steps, draft {1e3 * draft:5.1f} ms, verify {1e3 * verify:6.1f} ms a step, "
-                f"tau {tau:.2f}, {nodes:4.1f} drafted nodes a forward",
-                flush=True,
-            )
+            print(f"rows {rows:3d} {method:>12}: {step_report(results, wall)}", flush=True)
+
+
+def step_report(results: list[GenerationResult], wall: float) -> str:
+    """A batched run's tokens/s, prefill, steps, ms of drafting and verifying a step, tau and
+    drafted nodes a forward."""
+    records = [step for result in results for step in result.steps]
+    # every row records its step's shared times: weighting each by 1/rows counts each step once
+    steps = sum(1 / step.rows for step in records)
+    draft = sum(step.draft_s / step.rows for step in records) / steps
+    verify = sum(step.verify_s / step.rows for step in records) / steps
+    nodes = sum(step.batch_budget / step.rows for step in records) / steps
+    tau = sum(step.accepted + 1 for step in records) / len(records)
+    generated = sum(result.new_tokens for result in results)
+    prefill = sum(result.prefill_s for result in results)
+    return (
+        f"{generated / wall:6.1f} tokens/s, prefill {prefill:5.1f} s, "
+        f"{steps:4.0f} steps, draft {1e3 * draft:5.1f} ms, verify {1e3 * verify:6.1f} ms a step, "
+        f"tau {tau:.2f}, {nodes:4.1f} drafted nodes a forward"
+    )
 
 
 if __name__ == "__main__":
